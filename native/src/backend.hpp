@@ -1,0 +1,153 @@
+// backend.hpp: the op interface every backend implements, and nothing more.
+//
+// Engine logic (configs, validation, paged-block bookkeeping, sequence state, the propose
+// pipeline) lives above this interface and is written once. A backend owns a memory space and a
+// stream and implements the ops over "device" pointers of that space (plain host memory for the
+// host backend). Activations are in the backend's activation dtype (F32 on host, BF16 on cuda);
+// weights keep the dtype they arrived in. Ops enqueue on the backend's stream in call order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "common.hpp"
+
+namespace dflash {
+
+// A row-major weight matrix [rows, cols] in backend memory.
+struct WeightView {
+    const void *data = nullptr;
+    dflash_dtype dtype = DFLASH_DTYPE_F32;
+    int64_t rows = 0;
+    int64_t cols = 0;
+
+    // Rows [first, first + count) of this matrix.
+    WeightView slice_rows(int64_t first, int64_t count) const {
+        WeightView v = *this;
+        v.data = static_cast<const char *>(data) + first * cols * int64_t(dtype_size(dtype));
+        v.rows = count;
+        return v;
+    }
+};
+
+// Which keys a query may see. Positions are the stamped absolute positions.
+struct AttentionMask {
+    bool causal = false;    // key position <= query position
+    int32_t window = 0;     // > 0: |query - key| < window (one-sided when causal)
+};
+
+// A paged K/V cache of one layer, plus the keys of one sequence to attend over.
+// Logical key r lives at physical slot block_table[(r % ring_slots) / block] * block
+// + (r % ring_slots) % block, with its position at slot_positions[r % ring_slots].
+struct PagedKeys {
+    const void *k_cache = nullptr;          // [num_blocks, block_size, n_kv_heads, head_dim] act
+    const void *v_cache = nullptr;          // same layout
+    const int32_t *block_table = nullptr;   // [ring_slots / block_size] device
+    const int32_t *slot_positions = nullptr;// [ring_slots] device
+    int32_t block_size = DFLASH_KV_BLOCK_SIZE;
+    int32_t ring_slots = 0;
+    int64_t first_key = 0;                  // logical index of the first visible key
+    int64_t num_keys = 0;
+};
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+
+    virtual dflash_backend kind() const = 0;
+    virtual dflash_dtype act_dtype() const = 0;
+    // nullptr when every op below is implemented, else a description of what is missing.
+    virtual const char *missing_ops() const { return nullptr; }
+
+    // --- memory: alloc throws Error(OUT_OF_MEMORY); release accepts nullptr ---
+    virtual void *alloc(size_t bytes) = 0;
+    virtual void release(void *ptr) noexcept = 0;
+    virtual void upload(void *dst, const void *host_src, size_t bytes) = 0;
+    virtual void download(void *host_dst, const void *src, size_t bytes) = 0;  // waits
+    virtual void copy(void *dst, const void *src, size_t bytes) = 0;
+    virtual void synchronize() = 0;
+
+    // --- ops ---
+    // dst[n, width] (act) = src[n, width] (src_dtype; host memory if !src_on_device).
+    virtual void convert_rows(const void *src, dflash_dtype src_dtype, bool src_on_device,
+                              int64_t n, int64_t width, void *dst) = 0;
+    // out[n, H] = table[tokens[i]] * scale.  tokens: [n] int32 device.
+    virtual void embed(const int32_t *tokens, int64_t n, WeightView table, float scale,
+                       void *out) = 0;
+    // y[r, g, :] = x[r, g, :] / rms(x[r, g, :]) * w, for `groups` vectors of `dim` per row;
+    // rows are ld_x / ld_y elements apart. y may alias x.
+    virtual void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
+                          WeightView w, float eps, void *y, int64_t ld_y) = 0;
+    // y[m, w.rows] = x[m, w.cols] @ w^T.  Row strides ldx, ldy (elements).
+    virtual void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y,
+                      int64_t ldy) = 0;
+    // In-place rotate-half RoPE of x[rows, heads, head_dim] (row stride ld) at positions[rows]
+    // (device); cos/sin = cos/sin(pos * inv_freq[head_dim/2]) * attention_factor.
+    virtual void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+                      const int32_t *positions, const float *inv_freq,
+                      float attention_factor) = 0;
+    // Writes k/v rows [rows, n_kv_heads*head_dim] (row strides ld) into the cache slots
+    // slots[rows] (device; physical slot = block * block_size + offset).
+    virtual void kv_write(const void *k, const void *v, int64_t rows, int64_t ld,
+                          const int32_t *slots, int64_t kv_width, void *k_cache,
+                          void *v_cache) = 0;
+    // out[nq, n_heads*head_dim] = softmax(q k^T * scale + mask) v over the paged keys;
+    // q: [nq, n_heads*head_dim], query positions q_positions[nq] (device).
+    virtual void attention(const void *q, int64_t nq, const int32_t *q_positions,
+                           int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                           AttentionMask mask, const PagedKeys &keys, void *out) = 0;
+    virtual void add(void *y, const void *x, int64_t n) = 0;  // y += x
+    // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
+    virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;
+    // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.
+    virtual void logits_argmax(const void *h, int64_t m, WeightView lm_head, float multiplier,
+                               float softcap, int32_t *tokens) = 0;
+};
+
+std::shared_ptr<Backend> make_host_backend();
+// Throws Error(NOT_SUPPORTED) in a host-only build, NO_DEVICE without a device.
+std::shared_ptr<Backend> make_cuda_backend(int device, uint64_t stream);
+int cuda_device_count();  // throws like make_cuda_backend
+bool cuda_compiled();
+const char *cuda_arch_list();
+
+// RAII owner of one backend allocation.
+class DeviceBuffer {
+public:
+    DeviceBuffer() = default;
+    DeviceBuffer(Backend *backend, size_t bytes)
+        : backend_(backend), ptr_(bytes ? backend->alloc(bytes) : nullptr), bytes_(bytes) {}
+    DeviceBuffer(const DeviceBuffer &) = delete;
+    DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+    DeviceBuffer(DeviceBuffer &&o) noexcept { *this = std::move(o); }
+    DeviceBuffer &operator=(DeviceBuffer &&o) noexcept {
+        if (this != &o) {
+            reset();
+            backend_ = o.backend_;
+            ptr_ = o.ptr_;
+            bytes_ = o.bytes_;
+            o.ptr_ = nullptr;
+            o.bytes_ = 0;
+        }
+        return *this;
+    }
+    ~DeviceBuffer() { reset(); }
+
+    void reset() {
+        if (ptr_) backend_->release(ptr_);
+        ptr_ = nullptr;
+        bytes_ = 0;
+    }
+    void *get() const { return ptr_; }
+    template <typename T>
+    T *as() const { return static_cast<T *>(ptr_); }
+    size_t bytes() const { return bytes_; }
+
+private:
+    Backend *backend_ = nullptr;
+    void *ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+}  // namespace dflash

@@ -1,0 +1,575 @@
+// drafter.cpp: config validation, weights, the paged KV bookkeeping and the propose pipeline.
+// See drafter.hpp for the data flow; DESIGN §1 for the semantics this reproduces.
+#include "drafter.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dflash {
+namespace {
+
+const char *kModelPrefix = "model.";
+
+std::string layer_name(int i, const char *suffix) {
+    return cat("layers.", i, ".", suffix);
+}
+
+void check_range(const char *field, int64_t value, int64_t lo, int64_t hi) {
+    if (value < lo || value > hi)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: ", field, " = ", value,
+             " is outside [", lo, ", ", hi, "]");
+}
+
+}  // namespace
+
+WeightView Drafter::Tensor::view() const {
+    WeightView v;
+    v.data = buffer.get();
+    v.dtype = dtype;
+    v.rows = shape[0];
+    v.cols = shape.size() > 1 ? shape[1] : 1;
+    if (shape.size() == 1) {  // a norm vector: one row of `shape[0]` values
+        v.rows = 1;
+        v.cols = shape[0];
+    }
+    return v;
+}
+
+Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &p)
+    : backend_(std::move(backend)), p_(p) {
+    if (const char *missing = backend_->missing_ops())
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "the ",
+             backend_->kind() == DFLASH_BACKEND_CUDA ? "cuda" : "host",
+             " backend cannot run a drafter yet (missing: ", missing, "); use the host backend");
+    check_range("num_layers", p.num_layers, 1, DFLASH_MAX_LAYERS);
+    check_range("hidden_size", p.hidden_size, 1, 1 << 20);
+    check_range("intermediate_size", p.intermediate_size, 1, 1 << 22);
+    check_range("num_heads", p.num_heads, 1, 1024);
+    check_range("num_kv_heads", p.num_kv_heads, 1, p.num_heads);
+    if (p.num_heads % p.num_kv_heads)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: num_heads ", p.num_heads,
+             " is not a multiple of num_kv_heads ", p.num_kv_heads);
+    check_range("head_dim", p.head_dim, 2, 1024);
+    if (p.head_dim % 2)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: head_dim ", p.head_dim,
+             " must be even (rotate-half RoPE)");
+    check_range("vocab_size", p.vocab_size, 1, INT32_MAX);
+    if (!(p.rms_norm_eps > 0))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: rms_norm_eps ", p.rms_norm_eps,
+             " must be > 0");
+    check_range("max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
+    validate_rope(p.rope);
+    check_range("sliding_window", p.sliding_window, 0, INT32_MAX);
+    check_range("is_causal", p.is_causal, -1, 1);
+    for (int i = 0; i < p.num_layers; ++i)
+        if (p.layer_types[i] != DFLASH_LAYER_FULL_ATTENTION &&
+            p.layer_types[i] != DFLASH_LAYER_SLIDING_ATTENTION)
+            fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: layer_types[", i, "] = ",
+                 int(p.layer_types[i]), " is not a dflash_layer_type");
+    check_range("block_size", p.block_size, 2, 256);
+    if (p.mask_token_id < 0 || p.mask_token_id >= p.vocab_size)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "drafter params: mask_token_id ", p.mask_token_id,
+             " >= vocab_size ", p.vocab_size);
+    check_range("num_target_layer_ids", p.num_target_layer_ids, 1, DFLASH_MAX_TARGET_LAYER_IDS);
+    check_range("num_target_layers", p.num_target_layers, 0, 1 << 16);
+    for (int i = 0; i < p.num_target_layer_ids; ++i) {
+        const int32_t id = p.target_layer_ids[i];
+        if (id < 0 || (p.num_target_layers > 0 && id >= p.num_target_layers))
+            fail(DFLASH_STATUS_OUT_OF_RANGE, "drafter params: target_layer_ids[", i, "] = ", id,
+                 " is not a layer of a ", p.num_target_layers, "-layer target");
+    }
+    check_range("target_hidden_size", p.target_hidden_size, 0, 1 << 20);
+    if (!std::isfinite(p.input_embedding_scale) || !std::isfinite(p.output_multiplier))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT,
+             "drafter params: input_embedding_scale and output_multiplier must be finite");
+    if (!(p.final_logit_softcapping >= 0))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: final_logit_softcapping ",
+             p.final_logit_softcapping, " must be >= 0 (0 = none)");
+    check_range("tie_word_embeddings", p.tie_word_embeddings, 0, 1);
+    check_range("max_batch", p.max_batch, 1, 1 << 16);
+    check_range("max_seq_len", p.max_seq_len, 1, 1 << 28);
+    check_range("ctx_window", p.ctx_window, 0, 1 << 28);
+    check_range("ctx_chunk_rows", p.ctx_chunk_rows, 0, 1 << 20);
+
+    const int64_t H = p.hidden_size, I = p.intermediate_size;
+    q_width_ = int64_t(p.num_heads) * p.head_dim;
+    kv_width_ = int64_t(p.num_kv_heads) * p.head_dim;
+    fused_kv_width_ = int64_t(p.num_layers) * 2 * kv_width_;
+    if (p_.target_hidden_size == 0) p_.target_hidden_size = p.hidden_size;
+    feature_width_ = int64_t(p.num_target_layer_ids) * p_.target_hidden_size;
+    gamma_ = p.block_size;
+    chunk_rows_ = p.ctx_chunk_rows > 0 ? p.ctx_chunk_rows : std::max(64, gamma_);
+    const int64_t live_ctx = p.ctx_window > 0 ? std::min(p.ctx_window, p.max_seq_len)
+                                              : p.max_seq_len;
+    blocks_per_seq_ = int32_t(ceil_div(live_ctx + gamma_, DFLASH_KV_BLOCK_SIZE));
+    ring_slots_ = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
+    act_size_ = dtype_size(backend_->act_dtype());
+    rope_ = compute_rope(p.rope, p.head_dim, p.max_position_embeddings);
+
+    expected_["fc.weight"] = {H, feature_width_};
+    expected_["hidden_norm.weight"] = {H};
+    expected_["norm.weight"] = {H};
+    expected_["embed_tokens.weight"] = {p.vocab_size, H};
+    if (!p.tie_word_embeddings) expected_["lm_head.weight"] = {p.vocab_size, H};
+    for (int i = 0; i < p.num_layers; ++i) {
+        expected_[layer_name(i, "input_layernorm.weight")] = {H};
+        expected_[layer_name(i, "post_attention_layernorm.weight")] = {H};
+        expected_[layer_name(i, "self_attn.q_proj.weight")] = {q_width_, H};
+        expected_[layer_name(i, "self_attn.k_proj.weight")] = {kv_width_, H};
+        expected_[layer_name(i, "self_attn.v_proj.weight")] = {kv_width_, H};
+        expected_[layer_name(i, "self_attn.o_proj.weight")] = {H, q_width_};
+        expected_[layer_name(i, "self_attn.q_norm.weight")] = {p.head_dim};
+        expected_[layer_name(i, "self_attn.k_norm.weight")] = {p.head_dim};
+        expected_[layer_name(i, "mlp.gate_proj.weight")] = {I, H};
+        expected_[layer_name(i, "mlp.up_proj.weight")] = {I, H};
+        expected_[layer_name(i, "mlp.down_proj.weight")] = {H, I};
+    }
+}
+
+Drafter::~Drafter() = default;
+
+void Drafter::set_tensor(const std::string &raw_name, dflash_dtype dtype, int32_t ndim,
+                         const int64_t *shape, const void *data) {
+    if (finalized_)
+        fail(DFLASH_STATUS_INVALID_STATE, "tensor '", raw_name,
+             "' given after dflash_drafter_finalize");
+    std::string name = raw_name;
+    if (name.rfind(kModelPrefix, 0) == 0) name = name.substr(std::strlen(kModelPrefix));
+    auto it = expected_.find(name);
+    if (it == expected_.end())
+        fail(DFLASH_STATUS_BAD_TENSOR, "unknown tensor '", raw_name, "' for this drafter config",
+             p_.tie_word_embeddings && name == "lm_head.weight"
+                 ? " (tie_word_embeddings is set: lm_head is embed_tokens)" : "");
+    if (tensors_.count(name))
+        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' given twice");
+    if (!dtype_valid(dtype))
+        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has unknown dtype ", int(dtype));
+    if (ndim < 1 || ndim > 8 || !shape)
+        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has ndim ", ndim,
+             " (expected ", it->second.size(), ")");
+    std::vector<int64_t> got(shape, shape + ndim);
+    if (got != it->second)
+        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has shape ", shape_string(got),
+             ", expected ", shape_string(it->second));
+    if (!data) fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' data is NULL");
+    int64_t count = 1;
+    for (int64_t d : got) count *= d;
+    Tensor t;
+    t.buffer = DeviceBuffer(backend_.get(), size_t(count) * dtype_size(dtype));
+    t.dtype = dtype;
+    t.shape = got;
+    backend_->upload(t.buffer.get(), data, t.buffer.bytes());
+    tensors_.emplace(name, std::move(t));
+}
+
+WeightView Drafter::weight(const std::string &name) const { return tensors_.at(name).view(); }
+
+// Concatenates 2-D tensors of one dtype along rows into a new device tensor.
+Drafter::Tensor Drafter::fuse_rows(const std::vector<std::string> &names) {
+    const Tensor &first = tensors_.at(names[0]);
+    int64_t rows = 0;
+    for (const auto &n : names) {
+        const Tensor &t = tensors_.at(n);
+        if (t.dtype != first.dtype)
+            fail(DFLASH_STATUS_BAD_TENSOR, "tensors '", names[0], "' (", dtype_name(first.dtype),
+                 ") and '", n, "' (", dtype_name(t.dtype), ") are fused and must share a dtype");
+        rows += t.shape[0];
+    }
+    Tensor fused;
+    fused.dtype = first.dtype;
+    fused.shape = {rows, first.shape[1]};
+    fused.buffer = DeviceBuffer(backend_.get(), size_t(rows * first.shape[1]) * dtype_size(first.dtype));
+    size_t offset = 0;
+    for (const auto &n : names) {
+        const Tensor &t = tensors_.at(n);
+        backend_->copy(static_cast<char *>(fused.buffer.get()) + offset, t.buffer.get(),
+                       t.buffer.bytes());
+        offset += t.buffer.bytes();
+    }
+    return fused;
+}
+
+void Drafter::finalize() {
+    if (finalized_) fail(DFLASH_STATUS_INVALID_STATE, "drafter is already finalized");
+    std::string missing;
+    int n_missing = 0;
+    for (const auto &e : expected_)
+        if (!tensors_.count(e.first)) {
+            if (n_missing < 8) missing += (n_missing ? ", " : "") + e.first;
+            ++n_missing;
+        }
+    if (n_missing)
+        fail(DFLASH_STATUS_BAD_TENSOR, "missing ", n_missing, " of ", expected_.size(),
+             " tensors: ", missing, n_missing > 8 ? ", ..." : "");
+
+    // Everything below is built into locals and committed at the end, so a failure (out of
+    // memory) leaves the drafter exactly as before: unfinalized, no partial allocation.
+    const int L = p_.num_layers;
+    std::vector<std::string> kv_names;
+    for (int i = 0; i < L; ++i) {
+        kv_names.push_back(layer_name(i, "self_attn.k_proj.weight"));
+        kv_names.push_back(layer_name(i, "self_attn.v_proj.weight"));
+    }
+    Tensor fused_kv = fuse_rows(kv_names);
+    std::vector<Tensor> gate_up;
+    for (int i = 0; i < L; ++i)
+        gate_up.push_back(fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
+                                     layer_name(i, "mlp.up_proj.weight")}));
+
+    const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
+    const size_t cache_bytes =
+        size_t(total_blocks) * DFLASH_KV_BLOCK_SIZE * size_t(kv_width_) * act_size_;
+    std::vector<DeviceBuffer> k_cache, v_cache;
+    for (int i = 0; i < L; ++i) {
+        k_cache.emplace_back(backend_.get(), cache_bytes);
+        v_cache.emplace_back(backend_.get(), cache_bytes);
+    }
+    DeviceBuffer inv_freq(backend_.get(), rope_.inv_freq.size() * sizeof(float));
+    backend_->upload(inv_freq.get(), rope_.inv_freq.data(), inv_freq.bytes());
+
+    Backend *b = backend_.get();
+    const size_t g = size_t(gamma_), c = size_t(chunk_rows_), a = act_size_;
+    const size_t H = size_t(p_.hidden_size), I = size_t(p_.intermediate_size);
+    DeviceBuffer x(b, g * H * a), xn(b, g * H * a), q(b, g * size_t(q_width_) * a),
+        kv(b, g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
+        gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
+        ctx_kv(b, c * size_t(fused_kv_width_) * a),
+        step(b, (4 * g + 2 * c) * sizeof(int32_t));
+
+    // Commit.
+    fused_kv_ = std::move(fused_kv);
+    fused_gate_up_ = std::move(gate_up);
+    k_cache_ = std::move(k_cache);
+    v_cache_ = std::move(v_cache);
+    inv_freq_ = std::move(inv_freq);
+    x_ = std::move(x); xn_ = std::move(xn); q_ = std::move(q); kv_ = std::move(kv);
+    attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
+    ctx_h_ = std::move(ctx_h); ctx_kv_ = std::move(ctx_kv); step_i32_ = std::move(step);
+    for (const auto &n : kv_names) tensors_.erase(n);
+    layers_.clear();
+    for (int i = 0; i < L; ++i) {
+        tensors_.erase(layer_name(i, "mlp.gate_proj.weight"));
+        tensors_.erase(layer_name(i, "mlp.up_proj.weight"));
+        Layer layer;
+        layer.input_norm = weight(layer_name(i, "input_layernorm.weight"));
+        layer.post_norm = weight(layer_name(i, "post_attention_layernorm.weight"));
+        layer.q_proj = weight(layer_name(i, "self_attn.q_proj.weight"));
+        layer.q_norm = weight(layer_name(i, "self_attn.q_norm.weight"));
+        layer.k_norm = weight(layer_name(i, "self_attn.k_norm.weight"));
+        layer.o_proj = weight(layer_name(i, "self_attn.o_proj.weight"));
+        layer.gate_up = fused_gate_up_[i].view();
+        layer.down = weight(layer_name(i, "mlp.down_proj.weight"));
+        const bool sliding = p_.layer_types[i] == DFLASH_LAYER_SLIDING_ATTENTION;
+        layer.causal = p_.is_causal < 0 ? sliding : p_.is_causal == 1;
+        layer.window = sliding ? p_.sliding_window : 0;
+        layers_.push_back(layer);
+    }
+    pool_.reset(total_blocks);
+    finalized_ = true;
+}
+
+void Drafter::require_finalized(const char *what) const {
+    if (!finalized_)
+        fail(DFLASH_STATUS_INVALID_STATE, what, " needs a finalized drafter (call "
+             "dflash_drafter_finalize after setting every tensor)");
+}
+
+dflash_pool_stats Drafter::pool_stats(int32_t live_sequences) const {
+    require_finalized("pool_stats");
+    dflash_pool_stats s{};
+    s.struct_size = sizeof(s);
+    s.total_blocks = pool_.total();
+    s.free_blocks = pool_.available();
+    s.block_size = DFLASH_KV_BLOCK_SIZE;
+    s.blocks_per_sequence = blocks_per_seq_;
+    s.live_sequences = live_sequences;
+    return s;
+}
+
+std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
+    require_finalized("dflash_drafter_seq_alloc");
+    if (budget_tokens < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "budget_tokens ", budget_tokens, " is negative");
+    if (budget_tokens > p_.max_seq_len)
+        fail(DFLASH_STATUS_CAPACITY, "budget_tokens ", budget_tokens,
+             " exceeds the drafter's max_seq_len ", p_.max_seq_len);
+    auto seq = std::make_unique<DrafterSeq>();
+    seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
+    seq->block_table = DeviceBuffer(backend_.get(), size_t(blocks_per_seq_) * sizeof(int32_t));
+    seq->slot_positions.assign(size_t(ring_slots_), -1);
+    seq->slot_positions_dev = DeviceBuffer(backend_.get(), size_t(ring_slots_) * sizeof(int32_t));
+    backend_->upload(seq->slot_positions_dev.get(), seq->slot_positions.data(),
+                     seq->slot_positions_dev.bytes());
+    seq->features = DeviceBuffer(backend_.get(), size_t(chunk_rows_) * size_t(feature_width_) * act_size_);
+    return seq;
+}
+
+void *Drafter::act(const DeviceBuffer &buffer, int64_t element_offset) const {
+    return static_cast<char *>(buffer.get()) + element_offset * int64_t(act_size_);
+}
+
+// Makes the sequence hold the blocks that logical slots [0, logical_end) map to (all of the
+// ring once it wraps). All-or-nothing: on POOL_EXHAUSTED the sequence is unchanged.
+void Drafter::ensure_blocks(DrafterSeq &seq, int64_t logical_end) {
+    const int32_t need = int32_t(std::min<int64_t>(blocks_per_seq_,
+                                                   ceil_div(logical_end, DFLASH_KV_BLOCK_SIZE)));
+    const int32_t have = int32_t(seq.blocks.size());
+    if (need <= have) return;
+    pool_.take(need - have, seq.blocks);
+    backend_->upload(seq.block_table.as<int32_t>() + have, seq.blocks.data() + have,
+                     size_t(need - have) * sizeof(int32_t));
+}
+
+int32_t Drafter::physical_slot(const DrafterSeq &seq, int64_t logical) const {
+    const int64_t ring = logical % ring_slots_;
+    return seq.blocks[size_t(ring / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
+           int32_t(ring % DFLASH_KV_BLOCK_SIZE);
+}
+
+// Gives logical slots [first, first+count) their positions (host and device copies) and
+// writes their physical slot ids to slots_out.
+void Drafter::stamp_slots(DrafterSeq &seq, int64_t first, const int32_t *positions,
+                          int64_t count, int32_t *slots_out) {
+    for (int64_t i = 0; i < count; ++i) {
+        slots_out[i] = physical_slot(seq, first + i);
+        seq.slot_positions[size_t((first + i) % ring_slots_)] = positions[i];
+    }
+    // Upload the touched ring range, in two pieces when it wraps.
+    int64_t start = first % ring_slots_, left = count;
+    while (left > 0) {
+        const int64_t n = std::min<int64_t>(left, ring_slots_ - start);
+        backend_->upload(seq.slot_positions_dev.as<int32_t>() + start,
+                         seq.slot_positions.data() + start, size_t(n) * sizeof(int32_t));
+        left -= n;
+        start = 0;
+    }
+}
+
+// The incremental context precompute: projects the pending rows (those past the watermark)
+// into every layer's K/V cache with one fc GEMM and one fused K/V GEMM.
+void Drafter::project_pending(DrafterSeq &seq) {
+    const int64_t P = int64_t(seq.pending_positions.size());
+    if (P == 0) return;
+    ensure_blocks(seq, seq.cached + P);
+    const int64_t H = p_.hidden_size, hd = p_.head_dim, nkv = p_.num_kv_heads;
+    int32_t *step = step_i32_.as<int32_t>();
+    int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
+    std::vector<int32_t> slots(static_cast<size_t>(P));
+    stamp_slots(seq, seq.cached, seq.pending_positions.data(), P, slots.data());
+    backend_->upload(ctx_pos, seq.pending_positions.data(), size_t(P) * sizeof(int32_t));
+    backend_->upload(ctx_slots, slots.data(), size_t(P) * sizeof(int32_t));
+
+    backend_->gemm(seq.features.get(), P, feature_width_, weight("fc.weight"), ctx_h_.get(), H);
+    backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps,
+                       ctx_h_.get(), H);
+    backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_);
+    for (int l = 0; l < p_.num_layers; ++l) {
+        void *k = act(ctx_kv_, int64_t(l) * 2 * kv_width_);
+        void *v = act(ctx_kv_, int64_t(l) * 2 * kv_width_ + kv_width_);
+        backend_->rms_norm(k, P, nkv, hd, fused_kv_width_, layers_[l].k_norm, p_.rms_norm_eps,
+                           k, fused_kv_width_);
+        backend_->rope(k, P, nkv, hd, fused_kv_width_, ctx_pos, inv_freq_.as<float>(),
+                       rope_.attention_factor);
+        backend_->kv_write(k, v, P, fused_kv_width_, ctx_slots, kv_width_, k_cache_[l].get(),
+                           v_cache_[l].get());
+    }
+    seq.cached += P;
+    seq.pending_positions.clear();
+}
+
+void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype,
+                             bool on_device, int32_t n_rows, int32_t first_pos) {
+    if (seq.awaiting_verify)
+        fail(DFLASH_STATUS_INVALID_STATE, "append_context after a propose needs after_verify "
+             "first (after_verify(0) discards the drafts)");
+    if (n_rows < 0) fail(DFLASH_STATUS_INVALID_ARGUMENT, "n_rows ", n_rows, " is negative");
+    if (!dtype_valid(dtype))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "features dtype ", int(dtype), " is not a dflash_dtype");
+    if (on_device && backend_->kind() == DFLASH_BACKEND_HOST)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "on_device features need the cuda backend; the host "
+             "backend takes host pointers (on_device = 0)");
+    if (first_pos < -1)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "first_pos ", first_pos, " is negative (-1 = continue)");
+    const int64_t first = first_pos == -1 ? seq.next_position : first_pos;
+    if (first < seq.next_position)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "first_pos ", first, " is before the next position ",
+             seq.next_position, " (context positions only move forward)");
+    if (first + n_rows > seq.budget)
+        fail(DFLASH_STATUS_CAPACITY, "context rows at positions ", first, "..",
+             first + n_rows - 1, " exceed the sequence budget of ", seq.budget, " tokens");
+    if (n_rows == 0) return;
+    if (!data) fail(DFLASH_STATUS_INVALID_ARGUMENT, "features pointer is NULL");
+
+    // Rows older than the newest ctx_window can never be attended to: skip them outright.
+    const int64_t skip = p_.ctx_window > 0 ? std::max<int64_t>(0, n_rows - p_.ctx_window) : 0;
+    const int64_t kept = n_rows - skip;
+    ensure_blocks(seq, seq.cached + int64_t(seq.pending_positions.size()) + kept);
+
+    const size_t row_bytes = size_t(feature_width_) * dtype_size(dtype);
+    const char *src = static_cast<const char *>(data) + size_t(skip) * row_bytes;
+    int64_t done = 0;
+    while (done < kept) {
+        if (int64_t(seq.pending_positions.size()) == chunk_rows_) project_pending(seq);
+        const int64_t pending = int64_t(seq.pending_positions.size());
+        const int64_t take = std::min<int64_t>(chunk_rows_ - pending, kept - done);
+        backend_->convert_rows(src + size_t(done) * row_bytes, dtype, on_device, take,
+                               feature_width_, act(seq.features, pending * feature_width_));
+        for (int64_t i = 0; i < take; ++i)
+            seq.pending_positions.push_back(int32_t(first + skip + done + i));
+        done += take;
+    }
+    seq.context_rows += n_rows;
+    seq.next_position = int32_t(first + n_rows);
+}
+
+int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
+                         int32_t num_drafts, int32_t *out_tokens, int32_t out_capacity) {
+    if (seq.awaiting_verify)
+        fail(DFLASH_STATUS_INVALID_STATE, "propose while the previous propose awaits "
+             "after_verify (after_verify(0) discards its drafts)");
+    if (last_token < 0 || last_token >= p_.vocab_size)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "token ", last_token, " is outside the vocabulary [0, ",
+             p_.vocab_size, ")");
+    if (position != seq.next_position)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "position ", position, " must be one past the last "
+             "context row (", seq.next_position, ")");
+    if (num_drafts < 0) fail(DFLASH_STATUS_INVALID_ARGUMENT, "num_drafts ", num_drafts, " is negative");
+    const int32_t width = std::clamp(num_drafts + 1, 2, gamma_);
+    if (int64_t(position) + width > seq.budget)
+        fail(DFLASH_STATUS_CAPACITY, "a block of ", width, " rows at position ", position,
+             " exceeds the sequence budget of ", seq.budget, " tokens");
+    if (!out_tokens || out_capacity < width - 1)
+        fail(DFLASH_STATUS_CAPACITY, "out_tokens holds ", out_capacity, " tokens, ", width - 1,
+             " drafts needed");
+
+    const int64_t pending = int64_t(seq.pending_positions.size());
+    ensure_blocks(seq, seq.cached + pending + width);  // all-or-nothing, before any work
+    project_pending(seq);
+
+    const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
+    const float eps = p_.rms_norm_eps;
+    // Step arguments, uploaded together: tokens, query positions, noise slots.
+    std::vector<int32_t> args(size_t(3 * gamma_), 0);
+    int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
+    for (int32_t j = 0; j < width; ++j) {
+        tokens[j] = j == 0 ? last_token : p_.mask_token_id;
+        q_pos[j] = position + j;
+    }
+    stamp_slots(seq, seq.cached, q_pos, width, slots);
+    int32_t *dev = step_i32_.as<int32_t>();
+    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
+    const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
+    int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
+
+    PagedKeys keys;
+    keys.block_table = seq.block_table.as<int32_t>();
+    keys.slot_positions = seq.slot_positions_dev.as<int32_t>();
+    keys.ring_slots = ring_slots_;
+    keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, seq.cached - p_.ctx_window) : 0;
+    keys.num_keys = seq.cached - keys.first_key + width;
+
+    backend_->embed(d_tokens, width, weight("embed_tokens.weight"), p_.input_embedding_scale,
+                    x_.get());
+    const int64_t kv2 = 2 * kv_width_;
+    for (int l = 0; l < p_.num_layers; ++l) {
+        const Layer &layer = layers_[l];
+        backend_->rms_norm(x_.get(), width, 1, H, H, layer.input_norm, eps, xn_.get(), H);
+        backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
+        backend_->rms_norm(q_.get(), width, nh, hd, q_width_, layer.q_norm, eps, q_.get(), q_width_);
+        backend_->rope(q_.get(), width, nh, hd, q_width_, d_q_pos, inv_freq_.as<float>(),
+                       rope_.attention_factor);
+        // The block's own K/V go through the same (fused) k_proj/v_proj rows as the context.
+        backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv_.get(), kv2);
+        backend_->rms_norm(kv_.get(), width, nkv, hd, kv2, layer.k_norm, eps, kv_.get(), kv2);
+        backend_->rope(kv_.get(), width, nkv, hd, kv2, d_q_pos, inv_freq_.as<float>(),
+                       rope_.attention_factor);
+        backend_->kv_write(kv_.get(), act(kv_, kv_width_), width, kv2, d_slots, kv_width_,
+                           k_cache_[l].get(), v_cache_[l].get());
+        keys.k_cache = k_cache_[l].get();
+        keys.v_cache = v_cache_[l].get();
+        AttentionMask mask{layer.causal, layer.window};
+        backend_->attention(q_.get(), width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                            mask, keys, attn_.get());
+        backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
+        backend_->add(x_.get(), xn_.get(), width * H);
+        backend_->rms_norm(x_.get(), width, 1, H, H, layer.post_norm, eps, xn_.get(), H);
+        backend_->gemm(xn_.get(), width, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
+        backend_->swiglu(gate_up_.get(), width, p_.intermediate_size, mlp_.get());
+        backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
+        backend_->add(x_.get(), xn_.get(), width * H);
+    }
+    backend_->rms_norm(x_.get(), width, 1, H, H, weight("norm.weight"), eps, xn_.get(), H);
+    const WeightView lm_head = weight(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
+    backend_->logits_argmax(act(xn_, H), width - 1, lm_head, p_.output_multiplier,
+                            p_.final_logit_softcapping, d_drafts);
+    backend_->download(out_tokens, d_drafts, size_t(width - 1) * sizeof(int32_t));
+
+    seq.awaiting_verify = true;
+    seq.last_num_drafts = width - 1;
+    seq.proposals += 1;
+    hidden_owner_ = &seq;
+    hidden_rows_ = width - 1;
+    return width - 1;
+}
+
+int32_t Drafter::read_hidden(const DrafterSeq &seq, float *out, int64_t out_capacity) {
+    if (hidden_owner_ != &seq)
+        fail(DFLASH_STATUS_INVALID_STATE, "no hidden states for this sequence: it has not "
+             "proposed, or another sequence proposed (or it was reset) since");
+    const int64_t H = p_.hidden_size, n = int64_t(hidden_rows_) * H;
+    if (!out || out_capacity < n)
+        fail(DFLASH_STATUS_CAPACITY, "out holds ", out_capacity, " floats, ", n, " needed (",
+             hidden_rows_, " x ", H, ")");
+    std::vector<uint8_t> raw(size_t(n) * act_size_);
+    backend_->download(raw.data(), act(xn_, H), raw.size());
+    for (int64_t i = 0; i < n; ++i) out[i] = load_as_float(raw.data(), backend_->act_dtype(), i);
+    return hidden_rows_;
+}
+
+void Drafter::after_verify(DrafterSeq &seq, int32_t num_accepted) {
+    if (!seq.awaiting_verify)
+        fail(DFLASH_STATUS_INVALID_STATE, "after_verify without a propose awaiting verification");
+    if (num_accepted < 0 || num_accepted > seq.last_num_drafts)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "num_accepted ", num_accepted, " is outside [0, ",
+             seq.last_num_drafts, "] (drafts of the last propose)");
+    // The block's noise K/V sit past the watermark and are simply overwritten by the next
+    // context rows: dropping them costs nothing.
+    seq.awaiting_verify = false;
+    seq.accepted_drafts += num_accepted;
+}
+
+dflash_seq_info Drafter::info(const DrafterSeq &seq) const {
+    dflash_seq_info s{};
+    s.struct_size = sizeof(s);
+    s.budget_tokens = seq.budget;
+    s.next_position = seq.next_position;
+    s.context_rows = seq.context_rows;
+    s.cached_rows = int32_t(p_.ctx_window > 0 ? std::min<int64_t>(seq.cached, p_.ctx_window)
+                                              : seq.cached);
+    s.pending_rows = int32_t(seq.pending_positions.size());
+    s.blocks_held = int32_t(seq.blocks.size());
+    s.proposals = seq.proposals;
+    s.accepted_drafts = seq.accepted_drafts;
+    return s;
+}
+
+void Drafter::reset(DrafterSeq &seq) {
+    pool_.give_back(seq.blocks);
+    seq.blocks.clear();
+    std::fill(seq.slot_positions.begin(), seq.slot_positions.end(), -1);
+    seq.pending_positions.clear();
+    seq.cached = 0;
+    seq.context_rows = 0;
+    seq.next_position = 0;
+    seq.awaiting_verify = false;
+    seq.last_num_drafts = 0;
+    seq.proposals = 0;
+    seq.accepted_drafts = 0;
+    if (hidden_owner_ == &seq) hidden_owner_ = nullptr;
+}
+
+void Drafter::forget(const DrafterSeq *seq) {
+    if (hidden_owner_ == seq) hidden_owner_ = nullptr;
+}
+
+}  // namespace dflash

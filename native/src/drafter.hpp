@@ -1,0 +1,116 @@
+// drafter.hpp: the DFlash drafter engine, written once above the backends.
+//
+// A Drafter holds the validated config, the weights (uploaded once), the paged KV pool and the
+// per-step scratch. A DrafterSeq is one sequence's state: its block table (a ring when
+// ctx_window > 0), the absolute position stamped on every cached slot, the accumulator of
+// context rows not yet projected, and the protocol state (propose -> after_verify -> append).
+//
+// Propose pipeline (DESIGN §1): pending context rows -> fc -> hidden_norm -> ONE GEMM against
+// the fused [L*2*kv, H] K/V weight -> per layer k_norm + RoPE + cache write (the incremental
+// precompute, only rows past the watermark `cached`); then the noise block [anchor, mask...]
+// through every layer, attending non-causally (or causal + window on sliding layers) over the
+// live context keys plus the block's own keys; final norm; lm_head fused with argmax.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "kv_cache.hpp"
+#include "rope.hpp"
+
+namespace dflash {
+
+class Drafter;
+
+struct DrafterSeq {
+    int32_t budget = 0;                 // positions [0, budget)
+    std::vector<int32_t> blocks;        // block table, host copy
+    DeviceBuffer block_table;           // [blocks_per_seq] int32
+    std::vector<int32_t> slot_positions;// [ring_slots] stamped position per ring slot
+    DeviceBuffer slot_positions_dev;    // device copy
+    DeviceBuffer features;              // [chunk_rows, feature_width] act: the accumulator
+    std::vector<int32_t> pending_positions;  // positions of the rows in `features`
+    int64_t cached = 0;                 // context rows whose K/V were written (the watermark)
+    int64_t context_rows = 0;           // rows appended since reset, skipped ones included
+    int32_t next_position = 0;
+    bool awaiting_verify = false;
+    int32_t last_num_drafts = 0;
+    int32_t proposals = 0;
+    int64_t accepted_drafts = 0;
+};
+
+class Drafter {
+public:
+    Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &params);
+    ~Drafter();
+
+    void set_tensor(const std::string &name, dflash_dtype dtype, int32_t ndim,
+                    const int64_t *shape, const void *data);
+    void finalize();
+    bool finalized() const { return finalized_; }
+    dflash_pool_stats pool_stats(int32_t live_sequences) const;
+
+    std::unique_ptr<DrafterSeq> alloc_seq(int32_t budget_tokens);
+    void append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype, bool on_device,
+                        int32_t n_rows, int32_t first_pos);
+    int32_t propose(DrafterSeq &seq, int32_t last_token, int32_t position, int32_t num_drafts,
+                    int32_t *out_tokens, int32_t out_capacity);
+    int32_t read_hidden(const DrafterSeq &seq, float *out, int64_t out_capacity);
+    void after_verify(DrafterSeq &seq, int32_t num_accepted);
+    dflash_seq_info info(const DrafterSeq &seq) const;
+    void reset(DrafterSeq &seq);
+    void forget(const DrafterSeq *seq);  // the sequence is being destroyed
+
+private:
+    struct Tensor {
+        DeviceBuffer buffer;
+        dflash_dtype dtype = DFLASH_DTYPE_F32;
+        std::vector<int64_t> shape;
+        WeightView view() const;
+    };
+    struct Layer {
+        WeightView input_norm, post_norm, q_proj, q_norm, k_norm, o_proj, gate_up, down;
+        bool causal = false;
+        int32_t window = 0;
+    };
+
+    void require_finalized(const char *what) const;
+    WeightView weight(const std::string &name) const;
+    Tensor fuse_rows(const std::vector<std::string> &names);
+    void ensure_blocks(DrafterSeq &seq, int64_t logical_end);
+    int32_t physical_slot(const DrafterSeq &seq, int64_t logical) const;
+    void stamp_slots(DrafterSeq &seq, int64_t first_logical, const int32_t *positions,
+                     int64_t count, int32_t *slots_out);
+    void project_pending(DrafterSeq &seq);
+    void *act(const DeviceBuffer &buffer, int64_t element_offset) const;
+
+    std::shared_ptr<Backend> backend_;
+    dflash_drafter_params p_;
+    // derived sizes
+    int64_t q_width_ = 0, kv_width_ = 0, fused_kv_width_ = 0, feature_width_ = 0;
+    int32_t gamma_ = 0, chunk_rows_ = 0, blocks_per_seq_ = 0, ring_slots_ = 0;
+    size_t act_size_ = 4;
+    RopeTable rope_;
+
+    std::map<std::string, std::vector<int64_t>> expected_;  // tensor name -> shape
+    std::map<std::string, Tensor> tensors_;
+    bool finalized_ = false;
+
+    // built by finalize
+    Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...
+    std::vector<Tensor> fused_gate_up_;  // per layer [2I, H]
+    std::vector<Layer> layers_;
+    BlockPool pool_;
+    std::vector<DeviceBuffer> k_cache_, v_cache_;  // per layer [blocks, 16, kv_width]
+    DeviceBuffer inv_freq_;
+    // scratch (gamma rows for the block, chunk_rows rows for the context projection)
+    DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
+    DeviceBuffer step_i32_;  // tokens, q positions, noise slots, ctx positions, ctx slots, drafts
+    const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ holds
+    int32_t hidden_rows_ = 0;
+};
+
+}  // namespace dflash
