@@ -1,0 +1,308 @@
+"""Drafter and Sequence: Python handles over dflash_drafter / dflash_drafter_seq.
+
+The library owns every weight and KV byte; these classes describe (config, tensors), orchestrate and check
+arguments that C cannot check itself (a buffer's dtype, shape and layout: ffi.from_buffer sees only bytes).
+A drafter and its sequences must be used by one thread at a time (the library's rule).
+"""
+
+import numpy as np
+
+from . import _ffi
+from .checkpoint import CheckpointError, load_tensors
+from .config import DrafterConfig, TargetInfo
+from .devices import stream_handle
+
+# Where a Hugging Face causal LM keeps the two tensors the drafter borrows, by the drafter's name for them.
+_TARGET_TENSORS = {
+    "embed_tokens.weight": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+    "lm_head.weight": ("lm_head.weight",),
+}
+# Feature dtype spellings -> (dflash_dtype name, numpy dtype names the array may have).
+_FEATURE_DTYPES = {
+    "f32": ("DFLASH_DTYPE_F32", ("float32",)),
+    "f16": ("DFLASH_DTYPE_F16", ("float16",)),
+    "bf16": ("DFLASH_DTYPE_BF16", ("bfloat16", "uint16")),  # ml_dtypes.bfloat16, or its bits as uint16
+}
+_DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def _struct_dict(ffi, cdata):
+    """Every field of a stats/info struct but struct_size, so the dict follows the header as it grows."""
+    return {name: getattr(cdata, name) for name, _ in ffi.typeof(cdata[0]).fields if name != "struct_size"}
+
+
+def _new_struct(ffi, ctype):
+    out = ffi.new(ctype + " *")
+    out.struct_size = ffi.sizeof(ctype)
+    return out
+
+
+def _feature_dtype(array, dtype):
+    """The dflash_dtype name for a features array, or a TypeError saying what to pass instead."""
+    name = array.dtype.name
+    if dtype is None:
+        if name == "uint16":
+            raise TypeError("uint16 features are ambiguous; pass dtype='bf16' if they are bfloat16 bits")
+        dtype = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(name)
+        if dtype is None:
+            raise TypeError(f"features must be float32, float16 or bfloat16, got {array.dtype}")
+    key = _DTYPE_ALIASES.get(dtype, dtype)
+    if key not in _FEATURE_DTYPES:
+        raise ValueError(f"dtype must be one of f32, f16, bf16, got {dtype!r}")
+    code, accepted = _FEATURE_DTYPES[key]
+    if name not in accepted:
+        raise TypeError(f"dtype={dtype!r} needs an array of {' or '.join(accepted)}, got {array.dtype}")
+    if not array.dtype.isnative:
+        raise TypeError(f"features must be in native byte order, got {array.dtype.str}")
+    return code
+
+
+class Sequence:
+    """One sequence's drafter state (its KV blocks live in the drafter's pool). Made by Drafter.new_sequence."""
+
+    def __init__(self, drafter, handle):
+        self._drafter, self._handle = drafter, handle
+        ffi = drafter._lib.ffi
+        self._max_drafts = max(drafter.block_size - 1, 1)
+        self._tokens = ffi.new("int32_t[]", self._max_drafts)
+        self._count = ffi.new("int32_t *")
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _live(self):
+        if self._handle is None:
+            raise ValueError("sequence is closed" + (" (its drafter was closed)" if self._drafter.closed else ""))
+        return self._handle
+
+    def append_context(self, features, first_pos=None, *, dtype=None):
+        """Append context rows: the target's hidden states after target_layer_ids, [n_rows, feature_width],
+        C-contiguous float32 / float16 / bfloat16 (ml_dtypes, or uint16 bits with dtype="bf16"). Rows get
+        positions first_pos, first_pos+1, ... (None: one past the last row). The array may be reused on return.
+        """
+        handle = self._live()
+        if not isinstance(features, np.ndarray):
+            raise TypeError(f"features must be a numpy array, got {type(features).__name__}")
+        width = self._drafter.feature_width
+        if features.ndim != 2 or features.shape[1] != width:
+            raise ValueError(f"features must have shape [n_rows, {width}] (n_ids * target hidden), "
+                             f"got {list(features.shape)}")
+        if not features.flags.c_contiguous:
+            raise ValueError("features must be C-contiguous (np.ascontiguousarray)")
+        code = _feature_dtype(features, dtype)
+        lib = self._drafter._lib
+        # A uint8 view exports a plain byte buffer whatever the dtype (ml_dtypes' bfloat16 has no buffer format).
+        data = lib.ffi.from_buffer(features.view(np.uint8)) if features.size else lib.ffi.NULL
+        lib.check(lib.lib.dflash_drafter_seq_append_context(
+            handle, data, getattr(lib.lib, code), 0, features.shape[0], -1 if first_pos is None else first_pos))
+
+    def append_context_device(self, data_ptr, n_rows, dtype, first_pos=None):
+        """As append_context, from a device pointer on the context's device (cuda backend). The rows are read on
+        the context's stream: order their producer before this call."""
+        key = _DTYPE_ALIASES.get(dtype, dtype)
+        if key not in _FEATURE_DTYPES:
+            raise ValueError(f"dtype must be one of f32, f16, bf16, got {dtype!r}")
+        lib = self._drafter._lib
+        lib.check(lib.lib.dflash_drafter_seq_append_context(
+            self._live(), lib.ffi.cast("const void *", int(data_ptr)), getattr(lib.lib, _FEATURE_DTYPES[key][0]),
+            1, n_rows, -1 if first_pos is None else first_pos))
+
+    def propose(self, last_token, position, num_drafts) -> list:
+        """Draft tokens for the block anchored at last_token (the last committed token) at `position` (one past
+        the last context row). Returns clamp(num_drafts + 1, 2, block_size) - 1 token ids."""
+        lib = self._drafter._lib
+        lib.check(lib.lib.dflash_drafter_seq_propose(self._live(), last_token, position, num_drafts,
+                                                     self._tokens, self._max_drafts, self._count))
+        return lib.ffi.unpack(self._tokens, self._count[0])
+
+    def read_hidden(self) -> np.ndarray:
+        """float32 [num_drafts, hidden_size]: the final normed hidden states of the last propose's drafts."""
+        lib = self._drafter._lib
+        out = np.empty((self._max_drafts, self._drafter.hidden_size), dtype=np.float32)
+        lib.check(lib.lib.dflash_drafter_seq_read_hidden(
+            self._live(), lib.ffi.from_buffer("float[]", out, require_writable=True), out.size, self._count))
+        return out[: self._count[0]]
+
+    def after_verify(self, num_accepted):
+        """The target accepted num_accepted drafts of the last propose; then append the committed rows."""
+        lib = self._drafter._lib
+        lib.check(lib.lib.dflash_drafter_seq_after_verify(self._live(), num_accepted))
+
+    def info(self) -> dict:
+        lib = self._drafter._lib
+        out = _new_struct(lib.ffi, "dflash_seq_info")
+        lib.check(lib.lib.dflash_drafter_seq_info(self._live(), out))
+        return _struct_dict(lib.ffi, out)
+
+    def reset(self):
+        """Return every KV block and restart at position 0, keeping the handle and budget."""
+        lib = self._drafter._lib
+        lib.check(lib.lib.dflash_drafter_seq_reset(self._live()))
+
+    def close(self):
+        """Free the sequence and its KV blocks. A no-op when already closed (or its drafter was)."""
+        if self._handle is None:
+            return
+        handle, self._handle = self._handle, None
+        self._drafter._sequences.discard(self)
+        self._drafter._lib.check(self._drafter._lib.lib.dflash_drafter_seq_free(handle))
+
+    def _invalidate(self):  # the drafter destroyed us along with itself
+        self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<pydflash.Sequence {'closed' if self.closed else 'open'}>"
+
+
+class Drafter:
+    """A DFlash drafter on one backend. Create with Drafter.from_pretrained; free with close() / `with`."""
+
+    def __init__(self, lib, context, handle, config, target, backend, device):
+        self._lib, self._context, self._handle = lib, context, handle
+        self._sequences = set()  # live Sequence objects, so close() can mark them closed
+        self.config, self.target, self.backend, self.device = config, target, backend, device
+        self.block_size = config.block_size
+        self.hidden_size = config.hidden_size
+        self.feature_width = len(config.target_layer_ids) * target.hidden_size
+
+    @classmethod
+    def from_pretrained(cls, draft_dir, target_dir, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
+                        ctx_window=0, ctx_chunk_rows=0, stream=None) -> "Drafter":
+        """Load a DFlash drafter checkpoint (HF layout) and borrow embed_tokens / lm_head from its target's.
+
+        Only those two target tensors are mapped; the rest of the target checkpoint is never read. `stream` is
+        a CUDA stream to enqueue on (int, torch/CuPy/cuda-python stream; None: the library makes one).
+        """
+        lib = _ffi.load()
+        ffi, c = lib.ffi, lib.lib
+        backend_code = {"host": c.DFLASH_BACKEND_HOST, "cuda": c.DFLASH_BACKEND_CUDA}.get(str(backend).lower())
+        if backend_code is None:
+            raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
+        config = DrafterConfig.from_json(draft_dir)
+        target = TargetInfo.from_json(target_dir)
+        config.check_target(target)
+        expected = config.tensor_shapes(target)
+        tensors = _gather_tensors(draft_dir, target_dir, expected)
+        params = config.to_params(ffi, c, target=target, max_batch=max_batch, max_seq_len=max_seq_len,
+                                  ctx_window=ctx_window, ctx_chunk_rows=ctx_chunk_rows)
+        context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
+        context_params.backend, context_params.device = backend_code, device
+        context_params.stream = stream_handle(stream)
+
+        context = handle = None
+        try:
+            out = ffi.new("dflash_context **")
+            lib.check(c.dflash_context_create(context_params, out))
+            context = out[0]
+            out = ffi.new("dflash_drafter **")
+            lib.check(c.dflash_drafter_create(context, params, out))
+            handle = out[0]
+            dtypes = {"F32": c.DFLASH_DTYPE_F32, "F16": c.DFLASH_DTYPE_F16, "BF16": c.DFLASH_DTYPE_BF16}
+            for name in sorted(expected):
+                t = tensors[name]
+                lib.check(c.dflash_drafter_set_tensor(handle, name.encode(), dtypes[t.dtype], len(t.shape),
+                                                      ffi.new("int64_t[]", list(t.shape)),
+                                                      ffi.from_buffer(t.array.view(np.uint8))))
+            lib.check(c.dflash_drafter_finalize(handle))
+        except BaseException:
+            # Statuses ignored: the original error is the one to report, and both calls accept NULL.
+            c.dflash_drafter_destroy(handle or ffi.NULL)
+            c.dflash_context_destroy(context or ffi.NULL)
+            raise
+        return cls(lib, context, handle, config, target, str(backend).lower(), device)
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _live(self):
+        if self._handle is None:
+            raise ValueError("drafter is closed")
+        return self._handle
+
+    def new_sequence(self, budget_tokens=None) -> Sequence:
+        """A sequence for positions [0, budget_tokens) (None: max_seq_len). KV blocks are taken as rows arrive."""
+        out = self._lib.ffi.new("dflash_drafter_seq **")
+        self._lib.check(self._lib.lib.dflash_drafter_seq_alloc(self._live(), budget_tokens or 0, out))
+        seq = Sequence(self, out[0])
+        self._sequences.add(seq)
+        return seq
+
+    def pool_stats(self) -> dict:
+        """{total_blocks, free_blocks, block_size, blocks_per_sequence, live_sequences} of the KV pool."""
+        out = _new_struct(self._lib.ffi, "dflash_pool_stats")
+        self._lib.check(self._lib.lib.dflash_drafter_pool_stats(self._live(), out))
+        return _struct_dict(self._lib.ffi, out)
+
+    def close(self):
+        """Destroy the drafter (and with it every sequence still open), then its context. Idempotent."""
+        if self._handle is None:
+            return
+        for seq in self._sequences:
+            seq._invalidate()
+        self._sequences.clear()
+        handle, context, self._handle, self._context = self._handle, self._context, None, None
+        try:
+            self._lib.check(self._lib.lib.dflash_drafter_destroy(handle))
+        finally:
+            self._lib.check(self._lib.lib.dflash_context_destroy(context))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # Last resort only (close() is the contract); never raise from a finalizer, even at interpreter exit.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.backend}:{self.device}"
+        return (f"<pydflash.Drafter {state} layers={self.config.num_layers} hidden={self.hidden_size} "
+                f"block_size={self.block_size}>")
+
+
+def _gather_tensors(draft_dir, target_dir, expected):
+    """{canonical name: Tensor} for exactly the `expected` names, or ONE CheckpointError listing every missing,
+    unexpected and misshaped tensor (the library validates again; this message is the readable one)."""
+    tensors, problems = {}, []
+    for name, tensor in load_tensors(draft_dir).items():
+        canonical = name[len("model."):] if name.startswith("model.") else name  # the library accepts both
+        if canonical in tensors:
+            problems.append(f"{name} duplicates {tensors[canonical].name}")
+        tensors[canonical] = tensor
+    # embed_tokens / lm_head always come from the target, as in dflash.model; in the drafter file they are extra.
+    unexpected = sorted(set(tensors) - (set(expected) - set(_TARGET_TENSORS)))
+    if unexpected:
+        problems.append(f"unexpected in {draft_dir}: {', '.join(unexpected)}")
+
+    wanted = {k: v for k, v in _TARGET_TENSORS.items() if k in expected}
+    found = load_tensors(target_dir, names=[n for names in wanted.values() for n in names])
+    for canonical, names in wanted.items():
+        hit = next((found[n] for n in names if n in found), None)
+        if hit is None:
+            problems.append(f"{target_dir} has no {' / '.join(names)}")
+        else:
+            tensors[canonical] = hit
+
+    missing = sorted(set(expected) - set(tensors) - set(wanted))
+    if missing:
+        problems.append(f"missing from {draft_dir}: {', '.join(missing)}")
+    misshaped = [f"{n} {list(tensors[n].shape)} (expected {list(expected[n])})"
+                 for n in sorted(expected) if n in tensors and tensors[n].shape != tuple(expected[n])]
+    if misshaped:
+        problems.append("misshaped: " + ", ".join(misshaped))
+    if problems:
+        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+    return tensors
