@@ -110,14 +110,16 @@ class Sequence:
 
     def propose(self, last_token, position, num_drafts) -> list:
         """Draft tokens for the block anchored at last_token (the last committed token) at `position` (one past
-        the last context row). Returns clamp(num_drafts + 1, 2, block_size) - 1 token ids."""
+        the last context row). Returns clamp(num_drafts + 1, 2, block_size) - 1 token ids; the block must fit
+        the budget. after_verify must follow before the next propose or append_context."""
         lib = self._drafter._lib
         lib.check(lib.lib.dflash_drafter_seq_propose(self._live(), last_token, position, num_drafts,
                                                      self._tokens, self._max_drafts, self._count))
         return lib.ffi.unpack(self._tokens, self._count[0])
 
     def read_hidden(self) -> np.ndarray:
-        """float32 [num_drafts, hidden_size]: the final normed hidden states of the last propose's drafts."""
+        """float32 [num_drafts, hidden_size]: the final normed hidden states of the last propose's drafts.
+        Readable until the next propose of any sequence of this drafter (they live in its scratch)."""
         lib = self._drafter._lib
         out = np.empty((self._max_drafts, self._drafter.hidden_size), dtype=np.float32)
         lib.check(lib.lib.dflash_drafter_seq_read_hidden(

@@ -270,7 +270,9 @@ DFLASH_API dflash_status dflash_drafter_seq_alloc(dflash_drafter *drafter, int32
  * (on_device = 0) or, on the cuda backend, a device pointer of the context's device
  * (on_device = 1; read on the context stream, so the caller orders its producer before). Rows get
  * positions first_pos, first_pos+1, ...; first_pos = -1 continues one past the last row (0 for
- * the first). first_pos below that, or positions past the budget, are DFLASH_STATUS_OUT_OF_RANGE.
+ * the first); a larger first_pos leaves a gap. first_pos below the next position is
+ * DFLASH_STATUS_OUT_OF_RANGE, positions past the budget DFLASH_STATUS_CAPACITY. Between a propose
+ * and its after_verify: DFLASH_STATUS_INVALID_STATE.
  * Rows are buffered and projected lazily (at the next propose, or when ctx_chunk_rows are
  * pending). With ctx_window > 0, rows that cannot be within the window are skipped.
  * Returns after `data` may be reused. */
@@ -281,18 +283,23 @@ DFLASH_API dflash_status dflash_drafter_seq_append_context(dflash_drafter_seq *s
 
 /* Proposes drafts for the block that starts with `last_token` (the last committed token, not yet
  * seen by the target) at `position`, which must be one past the last context row. The block
- * width is clamp(num_drafts + 1, 2, block_size); width - 1 drafts are written to out_tokens
- * (capacity out_capacity entries; too small is DFLASH_STATUS_CAPACITY) and their count to
- * *out_num_drafts. Pending context rows are projected first (the incremental precompute).
- * Returns after completion. */
+ * width is clamp(num_drafts + 1, 2, block_size) (num_drafts >= 0; negative is
+ * DFLASH_STATUS_INVALID_ARGUMENT) and must fit the budget: position + width <= budget_tokens,
+ * else DFLASH_STATUS_CAPACITY (ask for fewer drafts near the end). width - 1 drafts are written
+ * to out_tokens (capacity out_capacity entries; too small is DFLASH_STATUS_CAPACITY) and their
+ * count to *out_num_drafts. Pending context rows are projected first (the incremental
+ * precompute). Each propose must be followed by after_verify before the next propose or append
+ * (else DFLASH_STATUS_INVALID_STATE). Returns after completion. */
 DFLASH_API dflash_status dflash_drafter_seq_propose(dflash_drafter_seq *seq, int32_t last_token,
                                                     int32_t position, int32_t num_drafts,
                                                     int32_t *out_tokens, int32_t out_capacity,
                                                     int32_t *out_num_drafts);
 
-/* Copies the final (normed) hidden states of the last propose's draft rows, fp32
+/* Copies the final (normed) hidden states of this sequence's last propose's draft rows, fp32
  * [num_drafts, hidden_size], into out (capacity out_capacity floats). For tests and for callers
- * that sample from their own head. DFLASH_STATUS_INVALID_STATE if nothing was proposed. */
+ * that sample from their own head. The rows live in the drafter's scratch: they are readable
+ * until the next propose of ANY sequence of this drafter, or this sequence's reset; after that,
+ * or before any propose, DFLASH_STATUS_INVALID_STATE. */
 DFLASH_API dflash_status dflash_drafter_seq_read_hidden(dflash_drafter_seq *seq, float *out,
                                                         int64_t out_capacity,
                                                         int32_t *out_rows);

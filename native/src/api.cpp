@@ -65,7 +65,8 @@ T *checked(T *handle, Kind k) {
     auto it = registry().find(handle);
     if (it == registry().end())
         fail(DFLASH_STATUS_INVALID_HANDLE, kind_name(k), " handle ", static_cast<const void *>(handle),
-             " is not live (already destroyed, or its drafter was destroyed)");
+             " is not live (already destroyed",
+             k == Kind::Seq ? ", or its drafter was destroyed)" : ")");
     if (it->second != k)
         fail(DFLASH_STATUS_INVALID_HANDLE, "handle ", static_cast<const void *>(handle), " is a ",
              kind_name(it->second), ", not a ", kind_name(k));

@@ -68,14 +68,14 @@ Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &
                  int(p.layer_types[i]), " is not a dflash_layer_type");
     check_range("block_size", p.block_size, 2, 256);
     if (p.mask_token_id < 0 || p.mask_token_id >= p.vocab_size)
-        fail(DFLASH_STATUS_OUT_OF_RANGE, "drafter params: mask_token_id ", p.mask_token_id,
-             " >= vocab_size ", p.vocab_size);
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: mask_token_id ", p.mask_token_id,
+             " is outside the vocabulary [0, ", p.vocab_size, ")");
     check_range("num_target_layer_ids", p.num_target_layer_ids, 1, DFLASH_MAX_TARGET_LAYER_IDS);
     check_range("num_target_layers", p.num_target_layers, 0, 1 << 16);
     for (int i = 0; i < p.num_target_layer_ids; ++i) {
         const int32_t id = p.target_layer_ids[i];
         if (id < 0 || (p.num_target_layers > 0 && id >= p.num_target_layers))
-            fail(DFLASH_STATUS_OUT_OF_RANGE, "drafter params: target_layer_ids[", i, "] = ", id,
+            fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: target_layer_ids[", i, "] = ", id,
                  " is not a layer of a ", p.num_target_layers, "-layer target");
     }
     check_range("target_hidden_size", p.target_hidden_size, 0, 1 << 20);
@@ -143,8 +143,9 @@ void Drafter::set_tensor(const std::string &raw_name, dflash_dtype dtype, int32_
     if (tensors_.count(name))
         fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' given twice");
     if (!dtype_valid(dtype))
-        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has unknown dtype ", int(dtype));
-    if (ndim < 1 || ndim > 8 || !shape)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' has unknown dtype ", int(dtype));
+    if (!shape) fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' shape is NULL");
+    if (ndim < 1 || ndim > 8)
         fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has ndim ", ndim,
              " (expected ", it->second.size(), ")");
     std::vector<int64_t> got(shape, shape + ndim);
@@ -438,7 +439,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     if (int64_t(position) + width > seq.budget)
         fail(DFLASH_STATUS_CAPACITY, "a block of ", width, " rows at position ", position,
              " exceeds the sequence budget of ", seq.budget, " tokens");
-    if (!out_tokens || out_capacity < width - 1)
+    if (!out_tokens) fail(DFLASH_STATUS_INVALID_ARGUMENT, "out_tokens is NULL");
+    if (out_capacity < width - 1)
         fail(DFLASH_STATUS_CAPACITY, "out_tokens holds ", out_capacity, " tokens, ", width - 1,
              " drafts needed");
 
@@ -517,7 +519,8 @@ int32_t Drafter::read_hidden(const DrafterSeq &seq, float *out, int64_t out_capa
         fail(DFLASH_STATUS_INVALID_STATE, "no hidden states for this sequence: it has not "
              "proposed, or another sequence proposed (or it was reset) since");
     const int64_t H = p_.hidden_size, n = int64_t(hidden_rows_) * H;
-    if (!out || out_capacity < n)
+    if (!out) fail(DFLASH_STATUS_INVALID_ARGUMENT, "out is NULL");
+    if (out_capacity < n)
         fail(DFLASH_STATUS_CAPACITY, "out holds ", out_capacity, " floats, ", n, " needed (",
              hidden_rows_, " x ", H, ")");
     std::vector<uint8_t> raw(size_t(n) * act_size_);
