@@ -10,7 +10,9 @@
  *   is half-changed, no memory or KV block is leaked.
  * - Nothing throws, aborts or exits across this boundary.
  * - Params structs start with `struct_size` and come from dflash_*_default_params(); they are
- *   passed by pointer and only ever grow at the end, so an older caller keeps working.
+ *   passed by pointer and only ever grow at the end, so an older caller keeps working. Their
+ *   fields are fixed-width integers and floats (enum values are stored in int32_t fields), so
+ *   every language sees the same layout.
  * - Handles are checked: a NULL, destroyed or foreign handle gives DFLASH_STATUS_INVALID_HANDLE,
  *   never undefined behaviour. Destroy functions accept NULL (no-op, OK); destroying twice is
  *   DFLASH_STATUS_INVALID_HANDLE.
@@ -80,8 +82,9 @@ DFLASH_API int32_t dflash_abi_version(void);
 /* Static name of a status ("DFLASH_STATUS_OK", ...). Never NULL. */
 DFLASH_API const char *dflash_status_string(dflash_status status);
 
-/* Message of the last failed call on this thread ("" if none). Owned by the library, valid
- * until the next dflash_* call on this thread. */
+/* Message of the last failed call on this thread ("" if none). Owned by the library. Successful
+ * calls, dflash_status_string and dflash_last_error itself leave it alone; it stays valid until the
+ * next failing dflash_* call on this thread. */
 DFLASH_API const char *dflash_last_error(void);
 
 /* Static build description, e.g. "libdflash abi 1; backends: host cuda(sm_80,sm_90)". */
@@ -128,7 +131,7 @@ typedef struct dflash_context dflash_context;
 
 typedef struct dflash_context_params {
     uint32_t struct_size;   /* sizeof(dflash_context_params) */
-    dflash_backend backend; /* default DFLASH_BACKEND_HOST */
+    int32_t backend;        /* a dflash_backend; default DFLASH_BACKEND_HOST */
     int32_t device;         /* CUDA device ordinal; ignored by host. default 0 */
     uint64_t stream;        /* cudaStream_t as an integer; 0 = the library creates its own
                                stream (destroyed with the context). A given stream is borrowed
@@ -153,7 +156,7 @@ DFLASH_API dflash_status dflash_context_destroy(dflash_context *ctx);
 /* ------------------------------------------------------------------------------------------ */
 
 typedef struct dflash_rope_params {
-    dflash_rope_type type;               /* default DFLASH_ROPE_DEFAULT */
+    int32_t type;                        /* a dflash_rope_type; default DFLASH_ROPE_DEFAULT */
     double theta;                        /* base; default 10000 */
     double factor;                       /* yarn/llama3 scaling factor; 0 = from max_position /
                                             original_max_position (yarn) */
