@@ -123,6 +123,16 @@ DFLASH_API int32_t dflash_backend_compiled(dflash_backend backend);
  * DFLASH_STATUS_NO_DEVICE (with *out_count = 0) when there is no driver or device. */
 DFLASH_API dflash_status dflash_cuda_device_count(int32_t *out_count);
 
+/* KV pool statistics of a drafter or a target (see the paged KV description above). */
+typedef struct dflash_pool_stats {
+    uint32_t struct_size;     /* sizeof(dflash_pool_stats), set by the caller */
+    int32_t total_blocks;     /* KV blocks in the pool */
+    int32_t free_blocks;      /* KV blocks not held by any sequence */
+    int32_t block_size;       /* token slots per block (DFLASH_KV_BLOCK_SIZE) */
+    int32_t blocks_per_sequence; /* most blocks one sequence can hold */
+    int32_t live_sequences;   /* sequences allocated and not freed */
+} dflash_pool_stats;
+
 /* ------------------------------------------------------------------------------------------ */
 /* Context: a backend, a device and a stream                                                  */
 /* ------------------------------------------------------------------------------------------ */
@@ -172,11 +182,145 @@ typedef struct dflash_rope_params {
 } dflash_rope_params;
 
 /* ------------------------------------------------------------------------------------------ */
+/* Sampling                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum dflash_draft_mode {
+    DFLASH_DRAFT_GREEDY = 0, /* drafts are the drafter's argmax; proposal q is one-hot (default:
+                                coherent blocks, and still exact: rejection sampling with q = 1) */
+    DFLASH_DRAFT_SAMPLE = 1  /* each draft sampled independently from the drafter's own
+                                temperature/top-p/top-k distribution q, as dflash.model does */
+} dflash_draft_mode;
+
+/* How tokens are chosen. temperature 0 = greedy (argmax) everywhere; then the other fields are
+ * ignored. Random numbers come from a counter-based generator (Philox4x32-10) keyed by `seed`
+ * and by a per-sequence call counter, so a run is reproducible from its seed on every backend. */
+typedef struct dflash_sampling_params {
+    uint32_t struct_size; /* sizeof(dflash_sampling_params) */
+    float temperature;    /* >= 0; default 0 (greedy) */
+    float top_p;          /* (0, 1]; default 1 (off) */
+    int32_t top_k;        /* >= 0; default 0 (off) */
+    uint64_t seed;        /* default 0 */
+    int32_t draft_mode;   /* a dflash_draft_mode; default DFLASH_DRAFT_GREEDY */
+} dflash_sampling_params;
+
+DFLASH_API dflash_sampling_params dflash_sampling_default_params(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Target: the model being accelerated (Qwen3 dense, Llama)                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct dflash_target dflash_target;
+typedef struct dflash_target_seq dflash_target_seq;
+typedef struct dflash_drafter_seq dflash_drafter_seq;
+
+typedef enum dflash_arch {
+    DFLASH_ARCH_QWEN3 = 0, /* Qwen3ForCausalLM: per-head q_norm / k_norm */
+    DFLASH_ARCH_LLAMA = 1  /* LlamaForCausalLM: no q/k norm */
+} dflash_arch;
+
+typedef struct dflash_target_params {
+    uint32_t struct_size;      /* sizeof(dflash_target_params) */
+    int32_t arch;              /* a dflash_arch */
+    int32_t num_layers;        /* 1..1024 */
+    int32_t hidden_size;
+    int32_t intermediate_size;
+    int32_t num_heads;
+    int32_t num_kv_heads;
+    int32_t head_dim;          /* even */
+    int32_t vocab_size;
+    float rms_norm_eps;        /* default 1e-6 */
+    int32_t max_position_embeddings; /* default 32768; positions must stay below it */
+    dflash_rope_params rope;
+    int32_t tie_word_embeddings; /* 1: no "lm_head.weight", embed_tokens is the head */
+
+    /* --- engine sizing --- */
+    int32_t max_batch;         /* sequences holding KV at once; default 1 */
+    int32_t max_seq_len;       /* largest sequence budget (prompt + output); default 4096 */
+    int32_t max_verify_rows;   /* most rows per verify (the widest block); default 16 */
+    int32_t prefill_chunk;     /* prompt rows per forward in prefill; default 256 */
+} dflash_target_params;
+
+DFLASH_API dflash_target_params dflash_target_default_params(void);
+
+/* Creates an empty target; weights enter with dflash_target_set_tensor, then finalize. Tensor
+ * names are the checkpoint's ("model." prefix accepted): "embed_tokens.weight" [V, H],
+ * "norm.weight" [H], "lm_head.weight" [V, H] (not with tie_word_embeddings), and per layer i
+ * "layers.{i}.input_layernorm.weight", "layers.{i}.post_attention_layernorm.weight" [H],
+ * "layers.{i}.self_attn.{q,k,v,o}_proj.weight", "layers.{i}.self_attn.{q,k}_norm.weight" [hd]
+ * (Qwen3 only), "layers.{i}.mlp.{gate,up,down}_proj.weight". Same rules as the drafter's. */
+DFLASH_API dflash_status dflash_target_create(dflash_context *ctx,
+                                              const dflash_target_params *params,
+                                              dflash_target **out);
+DFLASH_API dflash_status dflash_target_set_tensor(dflash_target *target, const char *name,
+                                                  dflash_dtype dtype, int32_t ndim,
+                                                  const int64_t *shape, const void *data);
+DFLASH_API dflash_status dflash_target_finalize(dflash_target *target);
+DFLASH_API dflash_status dflash_target_pool_stats(dflash_target *target, dflash_pool_stats *out);
+
+/* Destroys the handle and every sequence allocated from it. Drafters created for this target
+ * keep its shared weights alive until they are destroyed too. NULL is OK. */
+DFLASH_API dflash_status dflash_target_destroy(dflash_target *target);
+
+/* A sequence for positions [0, budget_tokens) (0 = max_seq_len). Its paged causal KV cache takes
+ * blocks from the target's pool as it grows and gives them back on rollback/reset/free. */
+DFLASH_API dflash_status dflash_target_seq_alloc(dflash_target *target, int32_t budget_tokens,
+                                                 dflash_target_seq **out);
+
+/* Appends n prompt tokens at positions length..length+n-1 (chunked by prefill_chunk), and
+ * chooses the next token from the last row's logits with `sampling` (NULL = greedy) into
+ * *out_next_token (not appended: it is the anchor of the next verify). With capture_into, the
+ * hidden states after the drafter's target_layer_ids for all n rows are appended to that drafter
+ * sequence as context rows (device to device; positions must line up: the drafter sequence's
+ * next position must equal this sequence's length). Returns after completion. */
+DFLASH_API dflash_status dflash_target_seq_prefill(dflash_target_seq *seq, const int32_t *tokens,
+                                                   int32_t n_tokens,
+                                                   const dflash_sampling_params *sampling,
+                                                   dflash_drafter_seq *capture_into,
+                                                   int32_t *out_next_token);
+
+/* Verifies a block: tokens[0] is the anchor (the last chosen token, at position length) and
+ * tokens[1..n-1] are drafts. One forward over the n rows, then:
+ * - greedy (temperature 0): accepted = the longest prefix with tokens[j] == argmax(row j-1),
+ *   next = argmax(row accepted);
+ * - sampling: Leviathan rejection sampling (dflash.model._rejection_sample): draft j is accepted
+ *   when u * q(tokens[j]) < p_{j-1}(tokens[j]); at the first rejection the next token is drawn
+ *   from max(p - q, 0) renormalised, else from p_{n-1}. q is the drafter's proposal when
+ *   `drafter_seq` proposed these drafts (one-hot for greedy drafts), else one-hot.
+ * The first accepted+1 rows stay in the KV cache (the rest are rolled back) and *out_num_accepted,
+ * *out_next_token are set: one small copy back, never the logits. With drafter_seq (which must be
+ * awaiting after_verify, and whose last drafts must equal tokens[1..n-1]), the n rows' context
+ * features are staged in it; its after_verify(k) then commits the first k+1 as context rows.
+ * n ranges over 1..max_verify_rows (n = 1 is a plain autoregressive step). */
+DFLASH_API dflash_status dflash_target_seq_verify(dflash_target_seq *seq, const int32_t *tokens,
+                                                  int32_t n_tokens,
+                                                  const dflash_sampling_params *sampling,
+                                                  dflash_drafter_seq *drafter_seq,
+                                                  int32_t *out_num_accepted,
+                                                  int32_t *out_next_token);
+
+/* Drops the newest n_rows committed tokens from the KV cache (e.g. after a stop token inside an
+ * accepted block, or to regenerate). More than the length: DFLASH_STATUS_OUT_OF_RANGE. */
+DFLASH_API dflash_status dflash_target_seq_rollback(dflash_target_seq *seq, int32_t n_rows);
+
+typedef struct dflash_target_seq_stats {
+    uint32_t struct_size;  /* sizeof(dflash_target_seq_stats), set by the caller */
+    int32_t budget_tokens;
+    int32_t length;        /* tokens in the KV cache */
+    int32_t blocks_held;
+    int32_t steps;         /* prefill + verify calls since alloc/reset */
+} dflash_target_seq_stats;
+
+DFLASH_API dflash_status dflash_target_seq_info(dflash_target_seq *seq,
+                                                dflash_target_seq_stats *out);
+DFLASH_API dflash_status dflash_target_seq_reset(dflash_target_seq *seq);
+DFLASH_API dflash_status dflash_target_seq_free(dflash_target_seq *seq);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Drafter                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
 typedef struct dflash_drafter dflash_drafter;
-typedef struct dflash_drafter_seq dflash_drafter_seq;
 
 typedef struct dflash_drafter_params {
     uint32_t struct_size; /* sizeof(dflash_drafter_params) */
@@ -224,6 +368,15 @@ DFLASH_API dflash_status dflash_drafter_create(dflash_context *ctx,
                                                const dflash_drafter_params *params,
                                                dflash_drafter **out);
 
+/* Creates a drafter that shares `target`'s context, embed_tokens and lm_head in memory (no copy:
+ * do not give those two tensors). The params' hidden_size, vocab_size, target_hidden_size and
+ * num_target_layers must agree with the target (a clear DFLASH_STATUS_INVALID_ARGUMENT names the
+ * mismatch); target_hidden_size and num_target_layers 0 are filled from the target. The drafter
+ * keeps the shared weights alive even if the target is destroyed first. */
+DFLASH_API dflash_status dflash_drafter_create_for_target(dflash_target *target,
+                                                          const dflash_drafter_params *params,
+                                                          dflash_drafter **out);
+
 /* Copies one named tensor into the library (the host pointer is borrowed for the call only).
  * Names are the checkpoint's: "fc.weight" [H, n_ids*H_t], "hidden_norm.weight" [H],
  * "norm.weight" [H], "layers.{i}.input_layernorm.weight" [H],
@@ -243,14 +396,6 @@ DFLASH_API dflash_status dflash_drafter_set_tensor(dflash_drafter *drafter, cons
  * accepts sequences and no more tensors. */
 DFLASH_API dflash_status dflash_drafter_finalize(dflash_drafter *drafter);
 
-typedef struct dflash_pool_stats {
-    uint32_t struct_size;     /* sizeof(dflash_pool_stats), set by the caller */
-    int32_t total_blocks;     /* KV blocks in the pool */
-    int32_t free_blocks;      /* KV blocks not held by any sequence */
-    int32_t block_size;       /* token slots per block (DFLASH_KV_BLOCK_SIZE) */
-    int32_t blocks_per_sequence; /* most blocks one sequence can hold */
-    int32_t live_sequences;   /* sequences allocated and not freed */
-} dflash_pool_stats;
 
 /* Fills *out (out->struct_size must be set). Valid after finalize. */
 DFLASH_API dflash_status dflash_drafter_pool_stats(dflash_drafter *drafter,
@@ -298,6 +443,17 @@ DFLASH_API dflash_status dflash_drafter_seq_propose(dflash_drafter_seq *seq, int
                                                     int32_t *out_tokens, int32_t out_capacity,
                                                     int32_t *out_num_drafts);
 
+/* As dflash_drafter_seq_propose, choosing drafts per `sampling` (NULL or temperature 0 = greedy):
+ * DFLASH_DRAFT_SAMPLE draws each draft from the drafter's own distribution and keeps it as the
+ * proposal q for dflash_target_seq_verify; DFLASH_DRAFT_GREEDY proposes the argmax. */
+DFLASH_API dflash_status dflash_drafter_seq_propose_sampled(dflash_drafter_seq *seq,
+                                                            int32_t last_token, int32_t position,
+                                                            int32_t num_drafts,
+                                                            const dflash_sampling_params *sampling,
+                                                            int32_t *out_tokens,
+                                                            int32_t out_capacity,
+                                                            int32_t *out_num_drafts);
+
 /* Copies the final (normed) hidden states of this sequence's last propose's draft rows, fp32
  * [num_drafts, hidden_size], into out (capacity out_capacity floats). For tests and for callers
  * that sample from their own head. The rows live in the drafter's scratch: they are readable
@@ -308,8 +464,9 @@ DFLASH_API dflash_status dflash_drafter_seq_read_hidden(dflash_drafter_seq *seq,
                                                         int32_t *out_rows);
 
 /* Records that the target accepted num_accepted (0..num_drafts) drafts of the last propose and
- * drops that step's noise slots. The caller then appends the context rows of the committed
- * tokens (num_accepted + 1: the anchor and the accepted drafts) and proposes from the bonus
+ * drops that step's noise slots. If dflash_target_seq_verify staged this step's context features
+ * here, the first num_accepted + 1 staged rows (the anchor and the accepted drafts) are committed
+ * as context rows; otherwise the caller appends those rows itself. Then propose from the bonus
  * token. Without a pending propose: DFLASH_STATUS_INVALID_STATE. */
 DFLASH_API dflash_status dflash_drafter_seq_after_verify(dflash_drafter_seq *seq,
                                                          int32_t num_accepted);

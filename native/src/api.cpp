@@ -9,8 +9,11 @@
 #include <set>
 #include <unordered_map>
 
+#include <cmath>
+
 #include "backend.hpp"
 #include "drafter.hpp"
+#include "target.hpp"
 
 using namespace dflash;
 
@@ -29,15 +32,27 @@ struct dflash_drafter_seq {
     std::unique_ptr<DrafterSeq> state;
 };
 
+struct dflash_target {
+    std::unique_ptr<Target> impl;
+    std::set<dflash_target_seq *> seqs;
+};
+
+struct dflash_target_seq {
+    dflash_target *owner = nullptr;
+    std::unique_ptr<TargetSeq> state;
+};
+
 namespace {
 
-enum class Kind { Context, Drafter, Seq };
+enum class Kind { Context, Drafter, Seq, Target, TargetSeq };
 
 const char *kind_name(Kind k) {
     switch (k) {
         case Kind::Context: return "context";
         case Kind::Drafter: return "drafter";
-        case Kind::Seq: return "sequence";
+        case Kind::Seq: return "drafter sequence";
+        case Kind::Target: return "target";
+        case Kind::TargetSeq: return "target sequence";
     }
     return "?";
 }
@@ -66,7 +81,8 @@ T *checked(T *handle, Kind k) {
     if (it == registry().end())
         fail(DFLASH_STATUS_INVALID_HANDLE, kind_name(k), " handle ", static_cast<const void *>(handle),
              " is not live (already destroyed",
-             k == Kind::Seq ? ", or its drafter was destroyed)" : ")");
+             k == Kind::Seq ? ", or its drafter was destroyed)"
+             : k == Kind::TargetSeq ? ", or its target was destroyed)" : ")");
     if (it->second != k)
         fail(DFLASH_STATUS_INVALID_HANDLE, "handle ", static_cast<const void *>(handle), " is a ",
              kind_name(it->second), ", not a ", kind_name(k));
@@ -107,12 +123,44 @@ void require_struct(uint32_t got, size_t expected, const char *what) {
 }
 
 void destroy_seq(dflash_drafter_seq *seq) {
-    if (seq->owner->impl) {
-        seq->owner->impl->reset(*seq->state);
-        seq->owner->impl->forget(seq->state.get());
-    }
+    seq->owner->impl->reset(*seq->state);
+    seq->owner->impl->forget(seq->state.get());
     unregister_handle(seq);
     delete seq;
+}
+
+void destroy_target_seq(dflash_target_seq *seq) {
+    seq->owner->impl->reset(*seq->state);
+    unregister_handle(seq);
+    delete seq;
+}
+
+// NULL means greedy; anything else is checked field by field.
+dflash_sampling_params resolve_sampling(const dflash_sampling_params *s) {
+    dflash_sampling_params out = dflash_sampling_default_params();
+    if (!s) return out;
+    require_struct(s->struct_size, sizeof(dflash_sampling_params), "dflash_sampling_params");
+    if (!(s->temperature >= 0) || !std::isfinite(s->temperature))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "sampling temperature ", s->temperature,
+             " must be finite and >= 0");
+    if (!(s->top_p > 0 && s->top_p <= 1))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "sampling top_p ", s->top_p, " must be in (0, 1]");
+    if (s->top_k < 0) fail(DFLASH_STATUS_INVALID_ARGUMENT, "sampling top_k ", s->top_k, " is negative");
+    if (s->draft_mode != DFLASH_DRAFT_GREEDY && s->draft_mode != DFLASH_DRAFT_SAMPLE)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "sampling draft_mode ", s->draft_mode,
+             " is not a dflash_draft_mode");
+    return *s;
+}
+
+// The drafter of a sequence passed to a target call, checked to share the target's context.
+Drafter *drafter_for(dflash_drafter_seq *seq, const dflash_target *target) {
+    if (!seq) return nullptr;
+    checked(seq, Kind::Seq);
+    Drafter *d = seq->owner->impl.get();
+    if (d->backend() != target->impl->backend().get())
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "the drafter sequence belongs to a drafter on another "
+             "context than the target (create it with dflash_drafter_create_for_target)");
+    return d;
 }
 
 }  // namespace
@@ -248,6 +296,36 @@ DFLASH_API dflash_status dflash_drafter_create(dflash_context *ctx,
     });
 }
 
+DFLASH_API dflash_status dflash_drafter_create_for_target(dflash_target *target,
+                                                          const dflash_drafter_params *params,
+                                                          dflash_drafter **out) {
+    return guard([&] {
+        require(out, "out");
+        *out = nullptr;
+        checked(target, Kind::Target);
+        require(params, "params");
+        require_struct(params->struct_size, sizeof(dflash_drafter_params), "dflash_drafter_params");
+        const dflash_target_params &tp = target->impl->params();
+        dflash_drafter_params p = *params;
+        if (p.target_hidden_size == 0) p.target_hidden_size = tp.hidden_size;
+        if (p.num_target_layers == 0) p.num_target_layers = tp.num_layers;
+        auto mismatch = [](const char *field, int64_t drafter, int64_t target) {
+            if (drafter != target)
+                fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter ", field, " ", drafter,
+                     " does not match the target's ", target);
+        };
+        mismatch("hidden_size", p.hidden_size, tp.hidden_size);
+        mismatch("vocab_size", p.vocab_size, tp.vocab_size);
+        mismatch("target_hidden_size", p.target_hidden_size, tp.hidden_size);
+        mismatch("num_target_layers", p.num_target_layers, tp.num_layers);
+        auto d = std::make_unique<dflash_drafter>();
+        d->backend = target->impl->backend();
+        d->impl = std::make_unique<Drafter>(d->backend, p, target->impl->shared_head());
+        register_handle(d.get(), Kind::Drafter);
+        *out = d.release();
+    });
+}
+
 DFLASH_API dflash_status dflash_drafter_set_tensor(dflash_drafter *drafter, const char *name,
                                                    dflash_dtype dtype, int32_t ndim,
                                                    const int64_t *shape, const void *data) {
@@ -320,7 +398,24 @@ DFLASH_API dflash_status dflash_drafter_seq_propose(dflash_drafter_seq *seq, int
         require(out_num_drafts, "out_num_drafts");
         *out_num_drafts = 0;
         *out_num_drafts = seq->owner->impl->propose(*seq->state, last_token, position,
-                                                    num_drafts, out_tokens, out_capacity);
+                                                    num_drafts, nullptr, out_tokens, out_capacity);
+    });
+}
+
+DFLASH_API dflash_status dflash_drafter_seq_propose_sampled(dflash_drafter_seq *seq,
+                                                            int32_t last_token, int32_t position,
+                                                            int32_t num_drafts,
+                                                            const dflash_sampling_params *sampling,
+                                                            int32_t *out_tokens,
+                                                            int32_t out_capacity,
+                                                            int32_t *out_num_drafts) {
+    return guard([&] {
+        checked(seq, Kind::Seq);
+        require(out_num_drafts, "out_num_drafts");
+        *out_num_drafts = 0;
+        const dflash_sampling_params sp = resolve_sampling(sampling);
+        *out_num_drafts = seq->owner->impl->propose(*seq->state, last_token, position,
+                                                    num_drafts, &sp, out_tokens, out_capacity);
     });
 }
 
@@ -365,6 +460,172 @@ DFLASH_API dflash_status dflash_drafter_seq_free(dflash_drafter_seq *seq) {
         checked(seq, Kind::Seq);
         seq->owner->seqs.erase(seq);
         destroy_seq(seq);
+    });
+}
+
+/* --- sampling --- */
+
+DFLASH_API dflash_sampling_params dflash_sampling_default_params(void) {
+    dflash_sampling_params p{};
+    p.struct_size = sizeof(p);
+    p.temperature = 0.f;
+    p.top_p = 1.f;
+    p.top_k = 0;
+    p.seed = 0;
+    p.draft_mode = DFLASH_DRAFT_GREEDY;
+    return p;
+}
+
+/* --- target --- */
+
+DFLASH_API dflash_target_params dflash_target_default_params(void) {
+    dflash_target_params p{};
+    p.struct_size = sizeof(p);
+    p.arch = DFLASH_ARCH_QWEN3;
+    p.rms_norm_eps = 1e-6f;
+    p.max_position_embeddings = 32768;
+    p.rope.type = DFLASH_ROPE_DEFAULT;
+    p.rope.theta = 10000.0;
+    p.rope.truncate = 1;
+    p.rope.low_freq_factor = 1.0;
+    p.rope.high_freq_factor = 4.0;
+    p.max_batch = 1;
+    p.max_seq_len = 4096;
+    p.max_verify_rows = 16;
+    p.prefill_chunk = 256;
+    return p;
+}
+
+DFLASH_API dflash_status dflash_target_create(dflash_context *ctx,
+                                              const dflash_target_params *params,
+                                              dflash_target **out) {
+    return guard([&] {
+        require(out, "out");
+        *out = nullptr;
+        checked(ctx, Kind::Context);
+        require(params, "params");
+        require_struct(params->struct_size, sizeof(dflash_target_params), "dflash_target_params");
+        auto t = std::make_unique<dflash_target>();
+        t->impl = std::make_unique<Target>(ctx->backend, *params);
+        register_handle(t.get(), Kind::Target);
+        *out = t.release();
+    });
+}
+
+DFLASH_API dflash_status dflash_target_set_tensor(dflash_target *target, const char *name,
+                                                  dflash_dtype dtype, int32_t ndim,
+                                                  const int64_t *shape, const void *data) {
+    return guard([&] {
+        checked(target, Kind::Target);
+        require(name, "name");
+        target->impl->set_tensor(name, dtype, ndim, shape, data);
+    });
+}
+
+DFLASH_API dflash_status dflash_target_finalize(dflash_target *target) {
+    return guard([&] { checked(target, Kind::Target)->impl->finalize(); });
+}
+
+DFLASH_API dflash_status dflash_target_pool_stats(dflash_target *target, dflash_pool_stats *out) {
+    return guard([&] {
+        checked(target, Kind::Target);
+        require(out, "out");
+        require_struct(out->struct_size, sizeof(dflash_pool_stats), "dflash_pool_stats");
+        *out = target->impl->pool_stats(int32_t(target->seqs.size()));
+    });
+}
+
+DFLASH_API dflash_status dflash_target_destroy(dflash_target *target) {
+    return guard([&] {
+        if (!target) return;
+        checked(target, Kind::Target);
+        for (dflash_target_seq *seq : target->seqs) destroy_target_seq(seq);
+        target->seqs.clear();
+        unregister_handle(target);
+        delete target;
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_alloc(dflash_target *target, int32_t budget_tokens,
+                                                 dflash_target_seq **out) {
+    return guard([&] {
+        require(out, "out");
+        *out = nullptr;
+        checked(target, Kind::Target);
+        auto seq = std::make_unique<dflash_target_seq>();
+        seq->owner = target;
+        seq->state = target->impl->alloc_seq(budget_tokens);
+        target->seqs.insert(seq.get());
+        register_handle(seq.get(), Kind::TargetSeq);
+        *out = seq.release();
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_prefill(dflash_target_seq *seq, const int32_t *tokens,
+                                                   int32_t n_tokens,
+                                                   const dflash_sampling_params *sampling,
+                                                   dflash_drafter_seq *capture_into,
+                                                   int32_t *out_next_token) {
+    return guard([&] {
+        checked(seq, Kind::TargetSeq);
+        require(out_next_token, "out_next_token");
+        const dflash_sampling_params sp = resolve_sampling(sampling);
+        Drafter *drafter = drafter_for(capture_into, seq->owner);
+        *out_next_token = seq->owner->impl->prefill(*seq->state, tokens, n_tokens, sp, drafter,
+                                                    capture_into ? capture_into->state.get() : nullptr);
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_verify(dflash_target_seq *seq, const int32_t *tokens,
+                                                  int32_t n_tokens,
+                                                  const dflash_sampling_params *sampling,
+                                                  dflash_drafter_seq *drafter_seq,
+                                                  int32_t *out_num_accepted,
+                                                  int32_t *out_next_token) {
+    return guard([&] {
+        checked(seq, Kind::TargetSeq);
+        require(out_num_accepted, "out_num_accepted");
+        require(out_next_token, "out_next_token");
+        const dflash_sampling_params sp = resolve_sampling(sampling);
+        Drafter *drafter = drafter_for(drafter_seq, seq->owner);
+        const auto result = seq->owner->impl->verify(
+            *seq->state, tokens, n_tokens, sp, drafter,
+            drafter_seq ? drafter_seq->state.get() : nullptr);
+        *out_num_accepted = result.first;
+        *out_next_token = result.second;
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_rollback(dflash_target_seq *seq, int32_t n_rows) {
+    return guard([&] {
+        checked(seq, Kind::TargetSeq);
+        seq->owner->impl->rollback(*seq->state, n_rows);
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_info(dflash_target_seq *seq,
+                                                dflash_target_seq_stats *out) {
+    return guard([&] {
+        checked(seq, Kind::TargetSeq);
+        require(out, "out");
+        require_struct(out->struct_size, sizeof(dflash_target_seq_stats), "dflash_target_seq_stats");
+        *out = seq->owner->impl->info(*seq->state);
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_reset(dflash_target_seq *seq) {
+    return guard([&] {
+        checked(seq, Kind::TargetSeq);
+        seq->owner->impl->reset(*seq->state);
+    });
+}
+
+DFLASH_API dflash_status dflash_target_seq_free(dflash_target_seq *seq) {
+    return guard([&] {
+        if (!seq) return;
+        checked(seq, Kind::TargetSeq);
+        seq->owner->seqs.erase(seq);
+        destroy_target_seq(seq);
     });
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "common.hpp"
+#include "philox.hpp"
 
 namespace dflash {
 
@@ -103,6 +104,32 @@ public:
     // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.
     virtual void logits_argmax(const void *h, int64_t m, WeightView lm_head, float multiplier,
                                float softcap, int32_t *tokens) = 0;
+    // dst[r, :width] = src[r, :width] (act), row strides ld_src / ld_dst elements.
+    virtual void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
+                           int64_t ld_dst) = 0;
+
+    // --- sampling (all buffers in backend memory) ---
+    // out[m, V] fp32 = softcap(h[m] . lm_head * multiplier): the full logits, for sampling only.
+    virtual void logits(const void *h, int64_t m, WeightView lm_head, float multiplier,
+                        float softcap, float *out) = 0;
+    // In place, rows of logits -> sampling probabilities exactly as dflash.model._sampling_probs:
+    // scores = logits / T; keep the top_k (0 = all); softmax; keep the smallest prefix (by
+    // descending probability) whose mass before each kept token is < top_p; renormalise.
+    virtual void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature,
+                                float top_p, int32_t top_k) = 0;
+    // out[i] = inverse-CDF draw from probs row i with rng_uniform(key, first_row + i, purpose).
+    virtual void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key,
+                             uint32_t first_row, uint32_t purpose, int32_t *out) = 0;
+    // Greedy verification of tokens[n] = [anchor, drafts...] against posterior[n] (the target's
+    // argmax of each row): out[0] = accepted (longest prefix with tokens[j] == posterior[j-1]),
+    // out[1] = posterior[accepted].
+    virtual void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n,
+                               int32_t *out) = 0;
+    // Leviathan rejection sampling: p[n, V] target probs, tokens[n] = [anchor, drafts...],
+    // q[n-1, V] the proposal rows (nullptr: one-hot on the drafts). out[0] = accepted,
+    // out[1] = the next token (from p[n-1], or from max(p - q, 0) at the first rejection).
+    virtual void rejection_accept(const float *p, const int32_t *tokens, const float *q,
+                                  int64_t n, int64_t vocab, RngKey key, int32_t *out) = 0;
 };
 
 std::shared_ptr<Backend> make_host_backend();

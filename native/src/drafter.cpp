@@ -8,8 +8,6 @@
 namespace dflash {
 namespace {
 
-const char *kModelPrefix = "model.";
-
 std::string layer_name(int i, const char *suffix) {
     return cat("layers.", i, ".", suffix);
 }
@@ -22,21 +20,9 @@ void check_range(const char *field, int64_t value, int64_t lo, int64_t hi) {
 
 }  // namespace
 
-WeightView Drafter::Tensor::view() const {
-    WeightView v;
-    v.data = buffer.get();
-    v.dtype = dtype;
-    v.rows = shape[0];
-    v.cols = shape.size() > 1 ? shape[1] : 1;
-    if (shape.size() == 1) {  // a norm vector: one row of `shape[0]` values
-        v.rows = 1;
-        v.cols = shape[0];
-    }
-    return v;
-}
-
-Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &p)
-    : backend_(std::move(backend)), p_(p) {
+Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &p,
+                 std::shared_ptr<const SharedHead> shared)
+    : backend_(std::move(backend)), p_(p), weights_(backend_), shared_(std::move(shared)) {
     if (const char *missing = backend_->missing_ops())
         fail(DFLASH_STATUS_NOT_SUPPORTED, "the ",
              backend_->kind() == DFLASH_BACKEND_CUDA ? "cuda" : "host",
@@ -106,23 +92,26 @@ Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &
     act_size_ = dtype_size(backend_->act_dtype());
     rope_ = compute_rope(p.rope, p.head_dim, p.max_position_embeddings);
 
-    expected_["fc.weight"] = {H, feature_width_};
-    expected_["hidden_norm.weight"] = {H};
-    expected_["norm.weight"] = {H};
-    expected_["embed_tokens.weight"] = {p.vocab_size, H};
-    if (!p.tie_word_embeddings) expected_["lm_head.weight"] = {p.vocab_size, H};
+    auto &w = weights_;
+    w.expect("fc.weight", {H, feature_width_});
+    w.expect("hidden_norm.weight", {H});
+    w.expect("norm.weight", {H});
+    if (!shared_) {  // else the target's, shared in memory
+        w.expect("embed_tokens.weight", {p.vocab_size, H});
+        if (!p.tie_word_embeddings) w.expect("lm_head.weight", {p.vocab_size, H});
+    }
     for (int i = 0; i < p.num_layers; ++i) {
-        expected_[layer_name(i, "input_layernorm.weight")] = {H};
-        expected_[layer_name(i, "post_attention_layernorm.weight")] = {H};
-        expected_[layer_name(i, "self_attn.q_proj.weight")] = {q_width_, H};
-        expected_[layer_name(i, "self_attn.k_proj.weight")] = {kv_width_, H};
-        expected_[layer_name(i, "self_attn.v_proj.weight")] = {kv_width_, H};
-        expected_[layer_name(i, "self_attn.o_proj.weight")] = {H, q_width_};
-        expected_[layer_name(i, "self_attn.q_norm.weight")] = {p.head_dim};
-        expected_[layer_name(i, "self_attn.k_norm.weight")] = {p.head_dim};
-        expected_[layer_name(i, "mlp.gate_proj.weight")] = {I, H};
-        expected_[layer_name(i, "mlp.up_proj.weight")] = {I, H};
-        expected_[layer_name(i, "mlp.down_proj.weight")] = {H, I};
+        w.expect(layer_name(i, "input_layernorm.weight"), {H});
+        w.expect(layer_name(i, "post_attention_layernorm.weight"), {H});
+        w.expect(layer_name(i, "self_attn.q_proj.weight"), {q_width_, H});
+        w.expect(layer_name(i, "self_attn.k_proj.weight"), {kv_width_, H});
+        w.expect(layer_name(i, "self_attn.v_proj.weight"), {kv_width_, H});
+        w.expect(layer_name(i, "self_attn.o_proj.weight"), {H, q_width_});
+        w.expect(layer_name(i, "self_attn.q_norm.weight"), {p.head_dim});
+        w.expect(layer_name(i, "self_attn.k_norm.weight"), {p.head_dim});
+        w.expect(layer_name(i, "mlp.gate_proj.weight"), {I, H});
+        w.expect(layer_name(i, "mlp.up_proj.weight"), {I, H});
+        w.expect(layer_name(i, "mlp.down_proj.weight"), {H, I});
     }
 }
 
@@ -133,75 +122,28 @@ void Drafter::set_tensor(const std::string &raw_name, dflash_dtype dtype, int32_
     if (finalized_)
         fail(DFLASH_STATUS_INVALID_STATE, "tensor '", raw_name,
              "' given after dflash_drafter_finalize");
-    std::string name = raw_name;
-    if (name.rfind(kModelPrefix, 0) == 0) name = name.substr(std::strlen(kModelPrefix));
-    auto it = expected_.find(name);
-    if (it == expected_.end())
-        fail(DFLASH_STATUS_BAD_TENSOR, "unknown tensor '", raw_name, "' for this drafter config",
-             p_.tie_word_embeddings && name == "lm_head.weight"
-                 ? " (tie_word_embeddings is set: lm_head is embed_tokens)" : "");
-    if (tensors_.count(name))
-        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' given twice");
-    if (!dtype_valid(dtype))
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' has unknown dtype ", int(dtype));
-    if (!shape) fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' shape is NULL");
-    if (ndim < 1 || ndim > 8)
-        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has ndim ", ndim,
-             " (expected ", it->second.size(), ")");
-    std::vector<int64_t> got(shape, shape + ndim);
-    if (got != it->second)
-        fail(DFLASH_STATUS_BAD_TENSOR, "tensor '", raw_name, "' has shape ", shape_string(got),
-             ", expected ", shape_string(it->second));
-    if (!data) fail(DFLASH_STATUS_INVALID_ARGUMENT, "tensor '", raw_name, "' data is NULL");
-    int64_t count = 1;
-    for (int64_t d : got) count *= d;
-    Tensor t;
-    t.buffer = DeviceBuffer(backend_.get(), size_t(count) * dtype_size(dtype));
-    t.dtype = dtype;
-    t.shape = got;
-    backend_->upload(t.buffer.get(), data, t.buffer.bytes());
-    tensors_.emplace(name, std::move(t));
+    const bool head = raw_name.find("embed_tokens") != std::string::npos ||
+                      raw_name.find("lm_head") != std::string::npos;
+    weights_.set(raw_name, dtype, ndim, shape, data,
+                 shared_ && head ? " (the drafter shares the target's embed_tokens and lm_head)"
+                 : p_.tie_word_embeddings && head ? " (tie_word_embeddings: lm_head is embed_tokens)"
+                 : "");
 }
 
-WeightView Drafter::weight(const std::string &name) const { return tensors_.at(name).view(); }
+WeightView Drafter::weight(const std::string &name) const { return weights_.view(name); }
 
-// Concatenates 2-D tensors of one dtype along rows into a new device tensor.
-Drafter::Tensor Drafter::fuse_rows(const std::vector<std::string> &names) {
-    const Tensor &first = tensors_.at(names[0]);
-    int64_t rows = 0;
-    for (const auto &n : names) {
-        const Tensor &t = tensors_.at(n);
-        if (t.dtype != first.dtype)
-            fail(DFLASH_STATUS_BAD_TENSOR, "tensors '", names[0], "' (", dtype_name(first.dtype),
-                 ") and '", n, "' (", dtype_name(t.dtype), ") are fused and must share a dtype");
-        rows += t.shape[0];
-    }
-    Tensor fused;
-    fused.dtype = first.dtype;
-    fused.shape = {rows, first.shape[1]};
-    fused.buffer = DeviceBuffer(backend_.get(), size_t(rows * first.shape[1]) * dtype_size(first.dtype));
-    size_t offset = 0;
-    for (const auto &n : names) {
-        const Tensor &t = tensors_.at(n);
-        backend_->copy(static_cast<char *>(fused.buffer.get()) + offset, t.buffer.get(),
-                       t.buffer.bytes());
-        offset += t.buffer.bytes();
-    }
-    return fused;
+WeightView Drafter::embed() const {
+    return shared_ ? shared_->store->view(shared_->embed_name) : weights_.view("embed_tokens.weight");
+}
+
+WeightView Drafter::lm_head() const {
+    if (shared_) return shared_->store->view(shared_->lm_head_name);
+    return weights_.view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
 }
 
 void Drafter::finalize() {
     if (finalized_) fail(DFLASH_STATUS_INVALID_STATE, "drafter is already finalized");
-    std::string missing;
-    int n_missing = 0;
-    for (const auto &e : expected_)
-        if (!tensors_.count(e.first)) {
-            if (n_missing < 8) missing += (n_missing ? ", " : "") + e.first;
-            ++n_missing;
-        }
-    if (n_missing)
-        fail(DFLASH_STATUS_BAD_TENSOR, "missing ", n_missing, " of ", expected_.size(),
-             " tensors: ", missing, n_missing > 8 ? ", ..." : "");
+    weights_.require_complete();
 
     // Everything below is built into locals and committed at the end, so a failure (out of
     // memory) leaves the drafter exactly as before: unfinalized, no partial allocation.
@@ -211,11 +153,11 @@ void Drafter::finalize() {
         kv_names.push_back(layer_name(i, "self_attn.k_proj.weight"));
         kv_names.push_back(layer_name(i, "self_attn.v_proj.weight"));
     }
-    Tensor fused_kv = fuse_rows(kv_names);
-    std::vector<Tensor> gate_up;
+    WeightStore::Tensor fused_kv = weights_.fuse_rows(kv_names);
+    std::vector<WeightStore::Tensor> gate_up;
     for (int i = 0; i < L; ++i)
-        gate_up.push_back(fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
-                                     layer_name(i, "mlp.up_proj.weight")}));
+        gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
+                                              layer_name(i, "mlp.up_proj.weight")}));
 
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
     const size_t cache_bytes =
@@ -235,7 +177,8 @@ void Drafter::finalize() {
         kv(b, g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
-        step(b, (4 * g + 2 * c) * sizeof(int32_t));
+        step(b, (4 * g + 2 * c) * sizeof(int32_t)),
+        probs(b, g * size_t(p_.vocab_size) * sizeof(float));
 
     // Commit.
     fused_kv_ = std::move(fused_kv);
@@ -246,11 +189,12 @@ void Drafter::finalize() {
     x_ = std::move(x); xn_ = std::move(xn); q_ = std::move(q); kv_ = std::move(kv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     ctx_h_ = std::move(ctx_h); ctx_kv_ = std::move(ctx_kv); step_i32_ = std::move(step);
-    for (const auto &n : kv_names) tensors_.erase(n);
+    probs_ = std::move(probs);
+    for (const auto &n : kv_names) weights_.erase(n);
     layers_.clear();
     for (int i = 0; i < L; ++i) {
-        tensors_.erase(layer_name(i, "mlp.gate_proj.weight"));
-        tensors_.erase(layer_name(i, "mlp.up_proj.weight"));
+        weights_.erase(layer_name(i, "mlp.gate_proj.weight"));
+        weights_.erase(layer_name(i, "mlp.up_proj.weight"));
         Layer layer;
         layer.input_norm = weight(layer_name(i, "input_layernorm.weight"));
         layer.post_norm = weight(layer_name(i, "post_attention_layernorm.weight"));
@@ -302,6 +246,7 @@ std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
     backend_->upload(seq->slot_positions_dev.get(), seq->slot_positions.data(),
                      seq->slot_positions_dev.bytes());
     seq->features = DeviceBuffer(backend_.get(), size_t(chunk_rows_) * size_t(feature_width_) * act_size_);
+    seq->staged = DeviceBuffer(backend_.get(), size_t(gamma_) * size_t(feature_width_) * act_size_);
     return seq;
 }
 
@@ -380,15 +325,24 @@ void Drafter::project_pending(DrafterSeq &seq) {
 
 void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype,
                              bool on_device, int32_t n_rows, int32_t first_pos) {
+    if (on_device && backend_->kind() == DFLASH_BACKEND_HOST)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "on_device features need the cuda backend; the host "
+             "backend takes host pointers (on_device = 0)");
+    append_rows(seq, data, dtype, on_device, n_rows, first_pos);
+}
+
+void Drafter::append_backend_rows(DrafterSeq &seq, const void *rows, int32_t n_rows) {
+    append_rows(seq, rows, backend_->act_dtype(), true, n_rows, -1);
+}
+
+void Drafter::append_rows(DrafterSeq &seq, const void *data, dflash_dtype dtype, bool on_device,
+                          int32_t n_rows, int32_t first_pos) {
     if (seq.awaiting_verify)
         fail(DFLASH_STATUS_INVALID_STATE, "append_context after a propose needs after_verify "
              "first (after_verify(0) discards the drafts)");
     if (n_rows < 0) fail(DFLASH_STATUS_INVALID_ARGUMENT, "n_rows ", n_rows, " is negative");
     if (!dtype_valid(dtype))
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "features dtype ", int(dtype), " is not a dflash_dtype");
-    if (on_device && backend_->kind() == DFLASH_BACKEND_HOST)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "on_device features need the cuda backend; the host "
-             "backend takes host pointers (on_device = 0)");
     if (first_pos < -1)
         fail(DFLASH_STATUS_OUT_OF_RANGE, "first_pos ", first_pos, " is negative (-1 = continue)");
     const int64_t first = first_pos == -1 ? seq.next_position : first_pos;
@@ -424,7 +378,10 @@ void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dty
 }
 
 int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
-                         int32_t num_drafts, int32_t *out_tokens, int32_t out_capacity) {
+                         int32_t num_drafts, const dflash_sampling_params *sampling,
+                         int32_t *out_tokens, int32_t out_capacity) {
+    const bool sample = sampling && sampling->temperature > 0 &&
+                        sampling->draft_mode == DFLASH_DRAFT_SAMPLE;
     if (seq.awaiting_verify)
         fail(DFLASH_STATUS_INVALID_STATE, "propose while the previous propose awaits "
              "after_verify (after_verify(0) discards its drafts)");
@@ -470,7 +427,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, seq.cached - p_.ctx_window) : 0;
     keys.num_keys = seq.cached - keys.first_key + width;
 
-    backend_->embed(d_tokens, width, weight("embed_tokens.weight"), p_.input_embedding_scale,
+    backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
                     x_.get());
     const int64_t kv2 = 2 * kv_width_;
     for (int l = 0; l < p_.num_layers; ++l) {
@@ -501,12 +458,25 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         backend_->add(x_.get(), xn_.get(), width * H);
     }
     backend_->rms_norm(x_.get(), width, 1, H, H, weight("norm.weight"), eps, xn_.get(), H);
-    const WeightView lm_head = weight(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
-    backend_->logits_argmax(act(xn_, H), width - 1, lm_head, p_.output_multiplier,
-                            p_.final_logit_softcapping, d_drafts);
+    if (sample) {  // independent draws from q, which verify then uses as the proposal
+        float *q = probs_.as<float>();
+        backend_->logits(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
+                         p_.final_logit_softcapping, q);
+        backend_->sampling_probs(q, width - 1, p_.vocab_size, sampling->temperature,
+                                 sampling->top_p, sampling->top_k);
+        backend_->sample_rows(q, width - 1, p_.vocab_size, RngKey{sampling->seed, seq.rng_counter},
+                              0, RNG_DRAFT, d_drafts);
+    } else {
+        backend_->logits_argmax(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
+                                p_.final_logit_softcapping, d_drafts);
+    }
     backend_->download(out_tokens, d_drafts, size_t(width - 1) * sizeof(int32_t));
 
+    seq.rng_counter += 1;
     seq.awaiting_verify = true;
+    seq.last_sampled = sample;
+    seq.last_drafts.assign(out_tokens, out_tokens + width - 1);
+    seq.staged_rows = 0;
     seq.last_num_drafts = width - 1;
     seq.proposals += 1;
     hidden_owner_ = &seq;
@@ -537,8 +507,41 @@ void Drafter::after_verify(DrafterSeq &seq, int32_t num_accepted) {
              seq.last_num_drafts, "] (drafts of the last propose)");
     // The block's noise K/V sit past the watermark and are simply overwritten by the next
     // context rows: dropping them costs nothing.
+    if (seq.staged_rows && num_accepted + 1 > seq.staged_rows)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "num_accepted ", num_accepted, " needs ", num_accepted + 1,
+             " context rows but the target verified only ", seq.staged_rows);
     seq.awaiting_verify = false;
     seq.accepted_drafts += num_accepted;
+    if (seq.staged_rows) {
+        seq.staged_rows = 0;
+        append_backend_rows(seq, seq.staged.get(), num_accepted + 1);
+    }
+}
+
+void Drafter::check_staging(const DrafterSeq &seq, const int32_t *tokens, int32_t n,
+                            int32_t target_length) const {
+    if (!seq.awaiting_verify)
+        fail(DFLASH_STATUS_INVALID_STATE, "the drafter sequence given to verify has no propose "
+             "awaiting verification");
+    if (n - 1 > seq.last_num_drafts)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "verify of ", n - 1, " drafts, but the drafter proposed ",
+             seq.last_num_drafts);
+    for (int32_t j = 1; j < n; ++j)
+        if (tokens[j] != seq.last_drafts[size_t(j - 1)])
+            fail(DFLASH_STATUS_INVALID_ARGUMENT, "tokens[", j, "] = ", tokens[j],
+                 " is not the drafter's draft ", seq.last_drafts[size_t(j - 1)]);
+    if (target_length != seq.next_position)
+        fail(DFLASH_STATUS_INVALID_STATE, "the target sequence holds ", target_length,
+             " tokens but the drafter sequence proposed at position ", seq.next_position);
+    if (seq.last_sampled && hidden_owner_ != &seq)
+        fail(DFLASH_STATUS_INVALID_STATE, "the drafter's proposal distribution was overwritten "
+             "by another sequence's propose; verify each sequence right after its propose");
+}
+
+const float *Drafter::stage(DrafterSeq &seq, const void *rows, int32_t n) {
+    backend_->copy(seq.staged.get(), rows, size_t(n) * size_t(feature_width_) * act_size_);
+    seq.staged_rows = n;
+    return seq.last_sampled ? probs_.as<float>() : nullptr;
 }
 
 dflash_seq_info Drafter::info(const DrafterSeq &seq) const {
@@ -566,6 +569,10 @@ void Drafter::reset(DrafterSeq &seq) {
     seq.next_position = 0;
     seq.awaiting_verify = false;
     seq.last_num_drafts = 0;
+    seq.last_drafts.clear();
+    seq.last_sampled = false;
+    seq.staged_rows = 0;
+    seq.rng_counter = 0;
     seq.proposals = 0;
     seq.accepted_drafts = 0;
     if (hidden_owner_ == &seq) hidden_owner_ = nullptr;

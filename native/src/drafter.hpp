@@ -20,6 +20,7 @@
 #include "backend.hpp"
 #include "kv_cache.hpp"
 #include "rope.hpp"
+#include "weights.hpp"
 
 namespace dflash {
 
@@ -38,14 +39,31 @@ struct DrafterSeq {
     int32_t next_position = 0;
     bool awaiting_verify = false;
     int32_t last_num_drafts = 0;
+    std::vector<int32_t> last_drafts;   // host copy of the last propose's drafts
+    bool last_sampled = false;          // drafts drawn from q (DFLASH_DRAFT_SAMPLE), else argmax
+    DeviceBuffer staged;                // [block_size, feature_width] act: verify's captured rows
+    int32_t staged_rows = 0;
+    uint64_t rng_counter = 0;           // proposes drawn so far (the Philox call counter)
     int32_t proposals = 0;
     int64_t accepted_drafts = 0;
 };
 
+// The target's weights a drafter reads (embed_tokens, lm_head) when created for a target.
+struct SharedHead {
+    std::shared_ptr<const WeightStore> store;  // keeps the target's tensors alive
+    std::string embed_name, lm_head_name;
+};
+
 class Drafter {
 public:
-    Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &params);
+    // `shared`: non-null when the drafter borrows embed_tokens / lm_head from a target.
+    Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &params,
+            std::shared_ptr<const SharedHead> shared = nullptr);
     ~Drafter();
+
+    const dflash_drafter_params &params() const { return p_; }
+    Backend *backend() const { return backend_.get(); }
+    int64_t feature_width() const { return feature_width_; }
 
     void set_tensor(const std::string &name, dflash_dtype dtype, int32_t ndim,
                     const int64_t *shape, const void *data);
@@ -57,7 +75,16 @@ public:
     void append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype, bool on_device,
                         int32_t n_rows, int32_t first_pos);
     int32_t propose(DrafterSeq &seq, int32_t last_token, int32_t position, int32_t num_drafts,
-                    int32_t *out_tokens, int32_t out_capacity);
+                    const dflash_sampling_params *sampling, int32_t *out_tokens,
+                    int32_t out_capacity);
+    // For a target: contiguous context rows already in backend memory (act dtype).
+    void append_backend_rows(DrafterSeq &seq, const void *rows, int32_t n_rows);
+    // For a target's verify: checks the sequence proposed exactly tokens[1..n-1], is awaiting
+    // after_verify at position target_length; then stage() keeps the n rows' features for
+    // after_verify and returns the proposal rows q (nullptr: one-hot, i.e. greedy drafts).
+    void check_staging(const DrafterSeq &seq, const int32_t *tokens, int32_t n,
+                       int32_t target_length) const;
+    const float *stage(DrafterSeq &seq, const void *rows, int32_t n);
     int32_t read_hidden(const DrafterSeq &seq, float *out, int64_t out_capacity);
     void after_verify(DrafterSeq &seq, int32_t num_accepted);
     dflash_seq_info info(const DrafterSeq &seq) const;
@@ -65,12 +92,6 @@ public:
     void forget(const DrafterSeq *seq);  // the sequence is being destroyed
 
 private:
-    struct Tensor {
-        DeviceBuffer buffer;
-        dflash_dtype dtype = DFLASH_DTYPE_F32;
-        std::vector<int64_t> shape;
-        WeightView view() const;
-    };
     struct Layer {
         WeightView input_norm, post_norm, q_proj, q_norm, k_norm, o_proj, gate_up, down;
         bool causal = false;
@@ -78,8 +99,11 @@ private:
     };
 
     void require_finalized(const char *what) const;
+    void append_rows(DrafterSeq &seq, const void *data, dflash_dtype dtype, bool on_device,
+                     int32_t n_rows, int32_t first_pos);
     WeightView weight(const std::string &name) const;
-    Tensor fuse_rows(const std::vector<std::string> &names);
+    WeightView embed() const;
+    WeightView lm_head() const;
     void ensure_blocks(DrafterSeq &seq, int64_t logical_end);
     int32_t physical_slot(const DrafterSeq &seq, int64_t logical) const;
     void stamp_slots(DrafterSeq &seq, int64_t first_logical, const int32_t *positions,
@@ -95,13 +119,13 @@ private:
     size_t act_size_ = 4;
     RopeTable rope_;
 
-    std::map<std::string, std::vector<int64_t>> expected_;  // tensor name -> shape
-    std::map<std::string, Tensor> tensors_;
+    WeightStore weights_;
+    std::shared_ptr<const SharedHead> shared_;
     bool finalized_ = false;
 
     // built by finalize
-    Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...
-    std::vector<Tensor> fused_gate_up_;  // per layer [2I, H]
+    WeightStore::Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...
+    std::vector<WeightStore::Tensor> fused_gate_up_;  // per layer [2I, H]
     std::vector<Layer> layers_;
     BlockPool pool_;
     std::vector<DeviceBuffer> k_cache_, v_cache_;  // per layer [blocks, 16, kv_width]
@@ -109,7 +133,8 @@ private:
     // scratch (gamma rows for the block, chunk_rows rows for the context projection)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
     DeviceBuffer step_i32_;  // tokens, q positions, noise slots, ctx positions, ctx slots, drafts
-    const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ holds
+    DeviceBuffer probs_;     // [block_size, vocab] fp32: sampled proposals' q (or logits)
+    const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ (and q) hold
     int32_t hidden_rows_ = 0;
 };
 

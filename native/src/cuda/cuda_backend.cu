@@ -95,6 +95,26 @@ public:
     void logits_argmax(const void *, int64_t, WeightView, float, float, int32_t *) override {
         op_missing("logits_argmax");
     }
+    void copy_rows(const void *, int64_t, int64_t, int64_t, void *, int64_t) override {
+        op_missing("copy_rows");
+    }
+    void logits(const void *, int64_t, WeightView, float, float, float *) override {
+        op_missing("logits");
+    }
+    void sampling_probs(float *, int64_t, int64_t, float, float, int32_t) override {
+        op_missing("sampling_probs");
+    }
+    void sample_rows(const float *, int64_t, int64_t, RngKey, uint32_t, uint32_t,
+                     int32_t *) override {
+        op_missing("sample_rows");
+    }
+    void greedy_accept(const int32_t *, const int32_t *, int64_t, int32_t *) override {
+        op_missing("greedy_accept");
+    }
+    void rejection_accept(const float *, const int32_t *, const float *, int64_t, int64_t, RngKey,
+                          int32_t *) override {
+        op_missing("rejection_accept");
+    }
 
 private:
     int device_ = 0;

@@ -205,6 +205,119 @@ public:
             }
         }
     }
+
+    void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
+                   int64_t ld_dst) override {
+        for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(static_cast<float *>(dst) + r * ld_dst,
+                        static_cast<const float *>(src) + r * ld_src, size_t(width) * 4);
+    }
+
+    void logits(const void *h, int64_t m, WeightView lm_head, float multiplier, float softcap,
+                float *out) override {
+        const float *in = static_cast<const float *>(h);
+        std::vector<float> row(static_cast<size_t>(lm_head.cols));
+        for (int64_t v = 0; v < lm_head.rows; ++v) {
+            load_row(lm_head, v, row.data());
+            for (int64_t i = 0; i < m; ++i) {
+                float logit = dot(in + i * lm_head.cols, row.data(), lm_head.cols) * multiplier;
+                if (softcap > 0.f) logit = std::tanh(logit / softcap) * softcap;
+                out[i * lm_head.rows + v] = logit;
+            }
+        }
+    }
+
+    void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
+                        int32_t top_k) override {
+        std::vector<int32_t> order(static_cast<size_t>(vocab));
+        for (int64_t i = 0; i < m; ++i) {
+            float *row = rows + i * vocab;
+            for (int64_t v = 0; v < vocab; ++v) row[v] /= temperature;
+            // Descending by score; ties keep the lower index first (a stable order).
+            for (int64_t v = 0; v < vocab; ++v) order[v] = int32_t(v);
+            std::stable_sort(order.begin(), order.end(),
+                             [row](int32_t a, int32_t b) { return row[a] > row[b]; });
+            const int64_t kept = (top_k > 0 && top_k < vocab) ? top_k : vocab;
+            const float best = row[order[0]];
+            double total = 0;
+            for (int64_t r = 0; r < kept; ++r) total += std::exp(double(row[order[r]]) - best);
+            std::vector<float> probs(static_cast<size_t>(kept));
+            for (int64_t r = 0; r < kept; ++r)
+                probs[r] = float(std::exp(double(row[order[r]]) - best) / total);
+            int64_t keep = kept;
+            if (top_p < 1.f) {
+                double cumulative = 0, kept_mass = 0;
+                keep = 0;
+                for (int64_t r = 0; r < kept; ++r) {
+                    if (cumulative < top_p) {  // mass strictly before this token < top_p
+                        keep = r + 1;
+                        kept_mass += probs[r];
+                    }
+                    cumulative += probs[r];
+                }
+                for (int64_t r = 0; r < keep; ++r) probs[r] = float(probs[r] / kept_mass);
+            }
+            std::fill(row, row + vocab, 0.f);
+            for (int64_t r = 0; r < keep; ++r) row[order[r]] = probs[r];
+        }
+    }
+
+    static int32_t draw(const float *probs, int64_t vocab, float u) {
+        double total = 0;
+        for (int64_t v = 0; v < vocab; ++v) total += probs[v];
+        const double target = double(u) * total;
+        double cumulative = 0;
+        int32_t last_nonzero = 0;
+        for (int64_t v = 0; v < vocab; ++v) {
+            if (probs[v] <= 0.f) continue;
+            cumulative += probs[v];
+            last_nonzero = int32_t(v);
+            if (cumulative > target) return int32_t(v);
+        }
+        return last_nonzero;  // rounding left u * total just past the sum
+    }
+
+    void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key,
+                     uint32_t first_row, uint32_t purpose, int32_t *out) override {
+        for (int64_t i = 0; i < m; ++i)
+            out[i] = draw(probs + i * vocab, vocab, rng_uniform(key, first_row + uint32_t(i), purpose));
+    }
+
+    void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n,
+                       int32_t *out) override {
+        int32_t accepted = 0;
+        while (accepted + 1 < n && tokens[accepted + 1] == posterior[accepted]) ++accepted;
+        out[0] = accepted;
+        out[1] = posterior[accepted];
+    }
+
+    void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
+                          int64_t vocab, RngKey key, int32_t *out) override {
+        int32_t accepted = 0;
+        while (accepted + 1 < n) {
+            const int32_t draft = tokens[accepted + 1];
+            const float p_draft = p[accepted * vocab + draft];
+            const float q_draft = q ? q[accepted * vocab + draft] : 1.f;
+            if (!(rng_uniform(key, uint32_t(accepted + 1), RNG_ACCEPT) * q_draft < p_draft)) break;
+            ++accepted;
+        }
+        const float *row = p + accepted * vocab;
+        const float u = rng_uniform(key, uint32_t(accepted), RNG_SAMPLE);
+        if (accepted + 1 == n) {
+            out[1] = draw(row, vocab, u);
+        } else {
+            std::vector<float> residual(row, row + vocab);
+            const int32_t draft = tokens[accepted + 1];
+            double total = 0;
+            for (int64_t v = 0; v < vocab; ++v) {
+                const float qv = q ? q[accepted * vocab + v] : (v == draft ? 1.f : 0.f);
+                residual[v] = std::max(residual[v] - qv, 0.f);
+                total += residual[v];
+            }
+            out[1] = draw(total > 0 ? residual.data() : row, vocab, u);
+        }
+        out[0] = accepted;
+    }
 };
 
 }  // namespace

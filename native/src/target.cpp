@@ -1,0 +1,435 @@
+// target.cpp: the target model's forward, prefill, verify and rollback. See target.hpp.
+#include "target.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dflash {
+namespace {
+
+std::string layer_name(int i, const char *suffix) { return cat("layers.", i, ".", suffix); }
+
+void check_range(const char *field, int64_t value, int64_t lo, int64_t hi) {
+    if (value < lo || value > hi)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: ", field, " = ", value,
+             " is outside [", lo, ", ", hi, "]");
+}
+
+}  // namespace
+
+Target::Target(std::shared_ptr<Backend> backend, const dflash_target_params &p)
+    : backend_(std::move(backend)), p_(p), weights_(std::make_shared<WeightStore>(backend_)) {
+    if (const char *missing = backend_->missing_ops())
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "the ",
+             backend_->kind() == DFLASH_BACKEND_CUDA ? "cuda" : "host",
+             " backend cannot run a target yet (missing: ", missing, "); use the host backend");
+    check_range("arch", p.arch, DFLASH_ARCH_QWEN3, DFLASH_ARCH_LLAMA);
+    check_range("num_layers", p.num_layers, 1, 1024);
+    check_range("hidden_size", p.hidden_size, 1, 1 << 20);
+    check_range("intermediate_size", p.intermediate_size, 1, 1 << 22);
+    check_range("num_heads", p.num_heads, 1, 1024);
+    check_range("num_kv_heads", p.num_kv_heads, 1, p.num_heads);
+    if (p.num_heads % p.num_kv_heads)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: num_heads ", p.num_heads,
+             " is not a multiple of num_kv_heads ", p.num_kv_heads);
+    check_range("head_dim", p.head_dim, 2, 1024);
+    if (p.head_dim % 2)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: head_dim ", p.head_dim, " must be even");
+    check_range("vocab_size", p.vocab_size, 1, INT32_MAX);
+    if (!(p.rms_norm_eps > 0))
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: rms_norm_eps must be > 0");
+    check_range("max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
+    validate_rope(p.rope);
+    check_range("tie_word_embeddings", p.tie_word_embeddings, 0, 1);
+    check_range("max_batch", p.max_batch, 1, 1 << 16);
+    check_range("max_seq_len", p.max_seq_len, 1, 1 << 28);
+    check_range("max_verify_rows", p.max_verify_rows, 1, 1024);
+    check_range("prefill_chunk", p.prefill_chunk, 1, 1 << 16);
+
+    const int64_t H = p.hidden_size, I = p.intermediate_size;
+    q_width_ = int64_t(p.num_heads) * p.head_dim;
+    kv_width_ = int64_t(p.num_kv_heads) * p.head_dim;
+    max_rows_ = std::max(p.prefill_chunk, p.max_verify_rows);
+    blocks_per_seq_ = int32_t(ceil_div(p.max_seq_len, DFLASH_KV_BLOCK_SIZE));
+    act_size_ = dtype_size(backend_->act_dtype());
+    rope_ = compute_rope(p.rope, p.head_dim, p.max_position_embeddings);
+
+    WeightStore &w = *weights_;
+    w.expect("embed_tokens.weight", {p.vocab_size, H});
+    w.expect("norm.weight", {H});
+    if (!p.tie_word_embeddings) w.expect("lm_head.weight", {p.vocab_size, H});
+    for (int i = 0; i < p.num_layers; ++i) {
+        w.expect(layer_name(i, "input_layernorm.weight"), {H});
+        w.expect(layer_name(i, "post_attention_layernorm.weight"), {H});
+        w.expect(layer_name(i, "self_attn.q_proj.weight"), {q_width_, H});
+        w.expect(layer_name(i, "self_attn.k_proj.weight"), {kv_width_, H});
+        w.expect(layer_name(i, "self_attn.v_proj.weight"), {kv_width_, H});
+        w.expect(layer_name(i, "self_attn.o_proj.weight"), {H, q_width_});
+        if (p.arch == DFLASH_ARCH_QWEN3) {
+            w.expect(layer_name(i, "self_attn.q_norm.weight"), {p.head_dim});
+            w.expect(layer_name(i, "self_attn.k_norm.weight"), {p.head_dim});
+        }
+        w.expect(layer_name(i, "mlp.gate_proj.weight"), {I, H});
+        w.expect(layer_name(i, "mlp.up_proj.weight"), {I, H});
+        w.expect(layer_name(i, "mlp.down_proj.weight"), {H, I});
+    }
+}
+
+std::shared_ptr<const SharedHead> Target::shared_head() const {
+    require_finalized("sharing the target's embed_tokens / lm_head");
+    auto head = std::make_shared<SharedHead>();
+    head->store = weights_;
+    head->embed_name = "embed_tokens.weight";
+    head->lm_head_name = p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight";
+    return head;
+}
+
+void Target::set_tensor(const std::string &name, dflash_dtype dtype, int32_t ndim,
+                        const int64_t *shape, const void *data) {
+    if (finalized_)
+        fail(DFLASH_STATUS_INVALID_STATE, "tensor '", name, "' given after dflash_target_finalize");
+    weights_->set(name, dtype, ndim, shape, data,
+                  p_.arch == DFLASH_ARCH_LLAMA && name.find("_norm.weight") != std::string::npos &&
+                          name.find("self_attn") != std::string::npos
+                      ? " (Llama has no q_norm / k_norm)" : "");
+}
+
+void Target::finalize() {
+    if (finalized_) fail(DFLASH_STATUS_INVALID_STATE, "target is already finalized");
+    weights_->require_complete();
+    // Built into locals and committed at the end: a failure leaves no partial allocation.
+    const int L = p_.num_layers;
+    std::vector<WeightStore::Tensor> fused;
+    for (int i = 0; i < L; ++i) {
+        fused.push_back(weights_->fuse_rows({layer_name(i, "self_attn.k_proj.weight"),
+                                             layer_name(i, "self_attn.v_proj.weight")}));
+        fused.push_back(weights_->fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
+                                             layer_name(i, "mlp.up_proj.weight")}));
+    }
+    const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
+    const size_t cache_bytes =
+        size_t(total_blocks) * DFLASH_KV_BLOCK_SIZE * size_t(kv_width_) * act_size_;
+    std::vector<DeviceBuffer> k_cache, v_cache;
+    for (int i = 0; i < L; ++i) {
+        k_cache.emplace_back(backend_.get(), cache_bytes);
+        v_cache.emplace_back(backend_.get(), cache_bytes);
+    }
+    Backend *b = backend_.get();
+    DeviceBuffer inv_freq(b, rope_.inv_freq.size() * sizeof(float));
+    b->upload(inv_freq.get(), rope_.inv_freq.data(), inv_freq.bytes());
+    const int32_t ring = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
+    std::vector<int32_t> identity(static_cast<size_t>(ring));
+    for (int32_t i = 0; i < ring; ++i) identity[size_t(i)] = i;
+    DeviceBuffer key_positions(b, identity.size() * sizeof(int32_t));
+    b->upload(key_positions.get(), identity.data(), key_positions.bytes());
+
+    const size_t r = size_t(max_rows_), a = act_size_, H = size_t(p_.hidden_size);
+    const size_t I = size_t(p_.intermediate_size), V = size_t(p_.vocab_size);
+    DeviceBuffer x(b, r * H * a), xn(b, r * H * a), q(b, r * size_t(q_width_) * a),
+        kv(b, r * 2 * size_t(kv_width_) * a), attn(b, r * size_t(q_width_) * a),
+        gu(b, r * 2 * I * a), mlp(b, r * I * a),
+        logits(b, size_t(p_.max_verify_rows) * V * sizeof(float)),
+        step(b, (4 * r + 2) * sizeof(int32_t));
+
+    fused_ = std::move(fused);
+    k_cache_ = std::move(k_cache);
+    v_cache_ = std::move(v_cache);
+    inv_freq_ = std::move(inv_freq);
+    key_positions_ = std::move(key_positions);
+    x_ = std::move(x); xn_ = std::move(xn); q_ = std::move(q); kv_ = std::move(kv);
+    attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
+    logits_ = std::move(logits); step_i32_ = std::move(step);
+    layers_.clear();
+    for (int i = 0; i < L; ++i) {
+        for (const char *n : {"self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                              "mlp.gate_proj.weight", "mlp.up_proj.weight"})
+            weights_->erase(layer_name(i, n));
+        Layer layer;
+        layer.input_norm = weights_->view(layer_name(i, "input_layernorm.weight"));
+        layer.post_norm = weights_->view(layer_name(i, "post_attention_layernorm.weight"));
+        layer.q_proj = weights_->view(layer_name(i, "self_attn.q_proj.weight"));
+        layer.kv_proj = fused_[size_t(2 * i)].view();
+        if (p_.arch == DFLASH_ARCH_QWEN3) {
+            layer.q_norm = weights_->view(layer_name(i, "self_attn.q_norm.weight"));
+            layer.k_norm = weights_->view(layer_name(i, "self_attn.k_norm.weight"));
+        }
+        layer.o_proj = weights_->view(layer_name(i, "self_attn.o_proj.weight"));
+        layer.gate_up = fused_[size_t(2 * i + 1)].view();
+        layer.down = weights_->view(layer_name(i, "mlp.down_proj.weight"));
+        layers_.push_back(layer);
+    }
+    pool_.reset(total_blocks);
+    finalized_ = true;
+}
+
+void Target::require_finalized(const char *what) const {
+    if (!finalized_)
+        fail(DFLASH_STATUS_INVALID_STATE, what, " needs a finalized target (call "
+             "dflash_target_finalize after setting every tensor)");
+}
+
+dflash_pool_stats Target::pool_stats(int32_t live_sequences) const {
+    require_finalized("pool_stats");
+    dflash_pool_stats s{};
+    s.struct_size = sizeof(s);
+    s.total_blocks = pool_.total();
+    s.free_blocks = pool_.available();
+    s.block_size = DFLASH_KV_BLOCK_SIZE;
+    s.blocks_per_sequence = blocks_per_seq_;
+    s.live_sequences = live_sequences;
+    return s;
+}
+
+std::unique_ptr<TargetSeq> Target::alloc_seq(int32_t budget_tokens) {
+    require_finalized("dflash_target_seq_alloc");
+    if (budget_tokens < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "budget_tokens ", budget_tokens, " is negative");
+    if (budget_tokens > p_.max_seq_len)
+        fail(DFLASH_STATUS_CAPACITY, "budget_tokens ", budget_tokens,
+             " exceeds the target's max_seq_len ", p_.max_seq_len);
+    auto seq = std::make_unique<TargetSeq>();
+    seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
+    seq->block_table = DeviceBuffer(backend_.get(), size_t(blocks_per_seq_) * sizeof(int32_t));
+    return seq;
+}
+
+void *Target::act(const DeviceBuffer &buffer, int64_t element_offset) const {
+    return static_cast<char *>(buffer.get()) + element_offset * int64_t(act_size_);
+}
+
+WeightView Target::lm_head() const {
+    return weights_->view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
+}
+
+void Target::check_tokens(const int32_t *tokens, int32_t n) const {
+    if (n > 0 && !tokens) fail(DFLASH_STATUS_INVALID_ARGUMENT, "tokens is NULL");
+    for (int32_t i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= p_.vocab_size)
+            fail(DFLASH_STATUS_OUT_OF_RANGE, "tokens[", i, "] = ", tokens[i],
+                 " is outside the vocabulary [0, ", p_.vocab_size, ")");
+}
+
+// All-or-nothing: the sequence holds the blocks for `length` tokens, or nothing changed.
+void Target::ensure_blocks(TargetSeq &seq, int64_t length) {
+    const int32_t need = int32_t(ceil_div(length, DFLASH_KV_BLOCK_SIZE));
+    const int32_t have = int32_t(seq.blocks.size());
+    if (need <= have) return;
+    pool_.take(need - have, seq.blocks);
+    backend_->upload(seq.block_table.as<int32_t>() + have, seq.blocks.data() + have,
+                     size_t(need - have) * sizeof(int32_t));
+}
+
+void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Drafter *capture) {
+    const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
+    const float eps = p_.rms_norm_eps;
+    const int32_t start = seq.length;
+    std::vector<int32_t> args(static_cast<size_t>(3 * n));
+    for (int32_t j = 0; j < n; ++j) {
+        const int32_t pos = start + j;
+        args[size_t(j)] = tokens[j];
+        args[size_t(n + j)] = pos;
+        args[size_t(2 * n + j)] = seq.blocks[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
+                                  pos % DFLASH_KV_BLOCK_SIZE;
+    }
+    int32_t *dev = step_i32_.as<int32_t>();
+    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
+    const int32_t *d_tokens = dev, *d_pos = dev + n, *d_slots = dev + 2 * n;
+
+    PagedKeys keys;
+    keys.block_table = seq.block_table.as<int32_t>();
+    keys.slot_positions = key_positions_.as<int32_t>();
+    keys.ring_slots = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
+    keys.first_key = 0;
+    keys.num_keys = int64_t(start) + n;
+
+    const int64_t F = capture ? capture->feature_width() : 0;
+    const dflash_drafter_params *dp = capture ? &capture->params() : nullptr;
+    auto capture_layer = [&](int layer, const void *rows) {
+        for (int idx = 0; dp && idx < dp->num_target_layer_ids; ++idx)
+            if (dp->target_layer_ids[idx] == layer)
+                backend_->copy_rows(rows, H, n, H, act(capture_, idx * H), F);
+    };
+
+    backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
+    const int64_t kv2 = 2 * kv_width_;
+    for (int l = 0; l < p_.num_layers; ++l) {
+        const Layer &layer = layers_[size_t(l)];
+        backend_->rms_norm(x_.get(), n, 1, H, H, layer.input_norm, eps, xn_.get(), H);
+        backend_->gemm(xn_.get(), n, H, layer.q_proj, q_.get(), q_width_);
+        backend_->gemm(xn_.get(), n, H, layer.kv_proj, kv_.get(), kv2);
+        if (p_.arch == DFLASH_ARCH_QWEN3) {
+            backend_->rms_norm(q_.get(), n, nh, hd, q_width_, layer.q_norm, eps, q_.get(), q_width_);
+            backend_->rms_norm(kv_.get(), n, nkv, hd, kv2, layer.k_norm, eps, kv_.get(), kv2);
+        }
+        backend_->rope(q_.get(), n, nh, hd, q_width_, d_pos, inv_freq_.as<float>(),
+                       rope_.attention_factor);
+        backend_->rope(kv_.get(), n, nkv, hd, kv2, d_pos, inv_freq_.as<float>(),
+                       rope_.attention_factor);
+        backend_->kv_write(kv_.get(), act(kv_, kv_width_), n, kv2, d_slots, kv_width_,
+                           k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
+        keys.k_cache = k_cache_[size_t(l)].get();
+        keys.v_cache = v_cache_[size_t(l)].get();
+        backend_->attention(q_.get(), n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                            AttentionMask{true, 0}, keys, attn_.get());
+        backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
+        backend_->add(x_.get(), xn_.get(), int64_t(n) * H);
+        backend_->rms_norm(x_.get(), n, 1, H, H, layer.post_norm, eps, xn_.get(), H);
+        backend_->gemm(xn_.get(), n, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
+        backend_->swiglu(gate_up_.get(), n, p_.intermediate_size, mlp_.get());
+        backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
+        backend_->add(x_.get(), xn_.get(), int64_t(n) * H);
+        // HF's hidden_states[l + 1] is this layer's output, except the last, which is normed.
+        if (l + 1 < p_.num_layers) capture_layer(l, x_.get());
+    }
+    backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
+    capture_layer(p_.num_layers - 1, xn_.get());
+}
+
+// Picks the next token from hidden row `row` of xn_ (greedy, or a sample with `key`).
+int32_t Target::choose_last(const dflash_sampling_params &sampling, int32_t row, RngKey key) {
+    int32_t *result = step_i32_.as<int32_t>() + 4 * max_rows_;
+    const void *h = act(xn_, int64_t(row) * p_.hidden_size);
+    if (sampling.temperature > 0) {
+        float *probs = logits_.as<float>();
+        backend_->logits(h, 1, lm_head(), 1.f, 0.f, probs);
+        backend_->sampling_probs(probs, 1, p_.vocab_size, sampling.temperature, sampling.top_p,
+                                 sampling.top_k);
+        backend_->sample_rows(probs, 1, p_.vocab_size, key, 0, RNG_SAMPLE, result);
+    } else {
+        backend_->logits_argmax(h, 1, lm_head(), 1.f, 0.f, result);
+    }
+    int32_t token = 0;
+    backend_->download(&token, result, sizeof(int32_t));
+    return token;
+}
+
+// Checks a drafter can read this target's hidden states, and sizes the capture buffer.
+static void check_capture(const Drafter &drafter, const dflash_target_params &p) {
+    const dflash_drafter_params &dp = drafter.params();
+    if (dp.target_hidden_size != p.hidden_size)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "the drafter reads target hidden size ",
+             dp.target_hidden_size, " but this target's is ", p.hidden_size);
+    for (int i = 0; i < dp.num_target_layer_ids; ++i)
+        if (dp.target_layer_ids[i] >= p.num_layers)
+            fail(DFLASH_STATUS_INVALID_ARGUMENT, "the drafter's target_layer_ids[", i, "] = ",
+                 dp.target_layer_ids[i], " is not a layer of this ", p.num_layers, "-layer target");
+}
+
+int32_t Target::prefill(TargetSeq &seq, const int32_t *tokens, int32_t n,
+                        const dflash_sampling_params &sampling, Drafter *drafter,
+                        DrafterSeq *capture) {
+    require_finalized("prefill");
+    if (n < 1) fail(DFLASH_STATUS_INVALID_ARGUMENT, "prefill needs at least one token, got ", n);
+    check_tokens(tokens, n);
+    if (int64_t(seq.length) + n > seq.budget)
+        fail(DFLASH_STATUS_CAPACITY, "prefill of ", n, " tokens after ", seq.length,
+             " exceeds the sequence budget of ", seq.budget, " tokens");
+    if (capture) {
+        check_capture(*drafter, p_);
+        if (capture->next_position != seq.length)
+            fail(DFLASH_STATUS_INVALID_STATE, "the drafter sequence's next position is ",
+                 capture->next_position, " but the target sequence holds ", seq.length, " tokens");
+        if (capture->awaiting_verify)
+            fail(DFLASH_STATUS_INVALID_STATE, "the drafter sequence awaits after_verify");
+        const int64_t width = drafter->feature_width();
+        if (width > capture_width_) {  // first capture for a drafter this wide: size it once
+            capture_ = DeviceBuffer(backend_.get(), size_t(max_rows_) * size_t(width) * act_size_);
+            capture_width_ = width;
+        }
+    }
+    ensure_blocks(seq, int64_t(seq.length) + n);
+    const RngKey key{sampling.seed, seq.rng_counter};
+    for (int32_t done = 0; done < n;) {
+        const int32_t chunk = std::min(n - done, p_.prefill_chunk);
+        forward(seq, tokens + done, chunk, capture ? drafter : nullptr);
+        seq.length += chunk;
+        if (capture) drafter->append_backend_rows(*capture, capture_.get(), chunk);
+        done += chunk;
+        if (done == n) {
+            const int32_t next = choose_last(sampling, chunk - 1, key);
+            seq.rng_counter += 1;
+            seq.steps += 1;
+            return next;
+        }
+    }
+    return -1;  // unreachable: n >= 1
+}
+
+std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens, int32_t n,
+                                           const dflash_sampling_params &sampling,
+                                           Drafter *drafter, DrafterSeq *drafter_seq) {
+    require_finalized("verify");
+    if (n < 1 || n > p_.max_verify_rows)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "verify of ", n, " rows is outside [1, ",
+             p_.max_verify_rows, "] (max_verify_rows)");
+    check_tokens(tokens, n);
+    if (int64_t(seq.length) + n > seq.budget)
+        fail(DFLASH_STATUS_CAPACITY, "verify of ", n, " rows at position ", seq.length,
+             " exceeds the sequence budget of ", seq.budget, " tokens");
+    if (drafter_seq) {
+        check_capture(*drafter, p_);
+        drafter->check_staging(*drafter_seq, tokens, n, seq.length);
+        const int64_t width = drafter->feature_width();
+        if (width > capture_width_) {
+            capture_ = DeviceBuffer(backend_.get(), size_t(max_rows_) * size_t(width) * act_size_);
+            capture_width_ = width;
+        }
+    }
+    ensure_blocks(seq, int64_t(seq.length) + n);
+    forward(seq, tokens, n, drafter_seq ? drafter : nullptr);
+    const float *q = drafter_seq ? drafter->stage(*drafter_seq, capture_.get(), n) : nullptr;
+
+    int32_t *dev = step_i32_.as<int32_t>();
+    const int32_t *d_tokens = dev;  // forward uploaded the tokens first
+    int32_t *posterior = dev + 3 * max_rows_, *result = dev + 4 * max_rows_;
+    if (sampling.temperature > 0) {
+        float *p = logits_.as<float>();
+        backend_->logits(xn_.get(), n, lm_head(), 1.f, 0.f, p);
+        backend_->sampling_probs(p, n, p_.vocab_size, sampling.temperature, sampling.top_p,
+                                 sampling.top_k);
+        backend_->rejection_accept(p, d_tokens, q, n, p_.vocab_size,
+                                   RngKey{sampling.seed, seq.rng_counter}, result);
+    } else {
+        backend_->logits_argmax(xn_.get(), n, lm_head(), 1.f, 0.f, posterior);
+        backend_->greedy_accept(d_tokens, posterior, n, result);
+    }
+    int32_t out[2] = {0, 0};
+    backend_->download(out, result, sizeof(out));
+    seq.length += out[0] + 1;  // the anchor and the accepted drafts; the rest is rolled back
+    seq.rng_counter += 1;
+    seq.steps += 1;
+    return {out[0], out[1]};
+}
+
+void Target::rollback(TargetSeq &seq, int32_t n_rows) {
+    if (n_rows < 0 || n_rows > seq.length)
+        fail(DFLASH_STATUS_OUT_OF_RANGE, "rollback of ", n_rows, " rows from a sequence of ",
+             seq.length);
+    seq.length -= n_rows;
+    const size_t keep = size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE));
+    if (seq.blocks.size() > keep) {
+        std::vector<int32_t> spare(seq.blocks.begin() + long(keep), seq.blocks.end());
+        pool_.give_back(spare);
+        seq.blocks.resize(keep);
+    }
+}
+
+dflash_target_seq_stats Target::info(const TargetSeq &seq) const {
+    dflash_target_seq_stats s{};
+    s.struct_size = sizeof(s);
+    s.budget_tokens = seq.budget;
+    s.length = seq.length;
+    s.blocks_held = int32_t(seq.blocks.size());
+    s.steps = seq.steps;
+    return s;
+}
+
+void Target::reset(TargetSeq &seq) {
+    pool_.give_back(seq.blocks);
+    seq.blocks.clear();
+    seq.length = 0;
+    seq.rng_counter = 0;
+    seq.steps = 0;
+}
+
+}  // namespace dflash
