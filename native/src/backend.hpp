@@ -60,6 +60,9 @@ public:
     virtual dflash_dtype act_dtype() const = 0;
     // nullptr when every op below is implemented, else a description of what is missing.
     virtual const char *missing_ops() const { return nullptr; }
+    // The dtype a weight given in `given` is stored in (the host keeps it; cuda stores bf16, the
+    // one dtype its weight-streaming kernels read).
+    virtual dflash_dtype weight_dtype(dflash_dtype given) const { return given; }
 
     // --- memory: alloc throws Error(OUT_OF_MEMORY); release accepts nullptr ---
     virtual void *alloc(size_t bytes) = 0;

@@ -68,6 +68,15 @@ inline float bf16_to_float(uint16_t v) {
     return f;
 }
 
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return uint16_t(bits >> 16);
+}
+
 inline float f16_to_float(uint16_t h) {
     uint32_t sign = uint32_t(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f;

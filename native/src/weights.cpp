@@ -42,10 +42,18 @@ void WeightStore::set(const std::string &raw_name, dflash_dtype dtype, int32_t n
     int64_t count = 1;
     for (int64_t d : got) count *= d;
     Tensor t;
-    t.buffer = DeviceBuffer(backend_.get(), size_t(count) * dtype_size(dtype));
-    t.dtype = dtype;
+    t.dtype = backend_->weight_dtype(dtype);
     t.shape = got;
-    backend_->upload(t.buffer.get(), data, t.buffer.bytes());
+    t.buffer = DeviceBuffer(backend_.get(), size_t(count) * dtype_size(t.dtype));
+    if (t.dtype == dtype) {
+        backend_->upload(t.buffer.get(), data, t.buffer.bytes());
+    } else {  // convert on the host, once, at load time
+        if (t.dtype != DFLASH_DTYPE_BF16)
+            fail(DFLASH_STATUS_INTERNAL, "weights can only be converted to BF16");
+        std::vector<uint16_t> converted(static_cast<size_t>(count));
+        for (int64_t i = 0; i < count; ++i) converted[size_t(i)] = float_to_bf16(load_as_float(data, dtype, i));
+        backend_->upload(t.buffer.get(), converted.data(), t.buffer.bytes());
+    }
     tensors_.emplace(name, std::move(t));
 }
 

@@ -1,10 +1,12 @@
-// common.cuh: CUDA error checks for the cuda backend.
+// common.cuh: CUDA error checks and bf16 / warp helpers shared by the cuda backend's kernels.
 //
 // DFLASH_CUDA_CHECK turns a failed CUDA call into an Error carrying the CUDA error name, the
 // call and where it happened; api.cpp turns that into DFLASH_STATUS_CUDA_ERROR (or
 // OUT_OF_MEMORY / NO_DEVICE). It never exits the process.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "../common.hpp"
@@ -26,13 +28,71 @@ inline dflash_status cuda_status(cudaError_t err) {
          ") at ", file, ":", line);
 }
 
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ bf16 to_bf16(float v) { return __float2bfloat16_rn(v); }
+
+// 8 bf16 packed in 16 bytes (one vector load) -> 8 floats.
+__device__ __forceinline__ void unpack8(const uint4 &v, float out[8]) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Butterfly reductions: every lane ends with the result, in a fixed order (deterministic).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024), fixed order; every
+// thread gets the result. `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+inline unsigned grid_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
 }  // namespace dflash
 
 #define DFLASH_CUDA_CHECK(call)                                                     \
     do {                                                                            \
         cudaError_t dflash_err_ = (call);                                           \
         if (dflash_err_ != cudaSuccess) {                                           \
-            (void)cudaGetLastError(); /* clear a sticky-free error for later calls */ \
+            (void)cudaGetLastError(); /* clear a non-sticky error for later calls */ \
             ::dflash::cuda_fail(dflash_err_, #call, __FILE__, __LINE__);            \
         }                                                                           \
     } while (0)
+
+// After a launch: a bad configuration shows up here, not at the next unrelated call.
+#define DFLASH_CUDA_LAUNCHED() DFLASH_CUDA_CHECK(cudaGetLastError())

@@ -1,20 +1,27 @@
-// cuda_backend.cu: the cuda backend's device, stream and memory management.
+// cuda_backend.cu: the cuda backend: device, stream, memory, and the op entry points.
 //
-// Status: memory, copies and streams work; the compute ops are not written yet (they come one
-// .cu per op family: gemv.cu, norm.cu, rope.cu, attention.cu, kv_cache.cu, sampling.cu).
-// Until then every op reports DFLASH_STATUS_NOT_SUPPORTED, and a drafter refuses to be created
-// on this backend (Backend::missing_ops), so a caller learns it at create time, not mid-step.
+// Each op validates what its kernel assumes and calls the launcher of its family (ops.cuh:
+// elementwise.cu, norm.cu, rope.cu, gemv.cu, attention.cu, sampling.cu). Activations are bf16,
+// weights are stored bf16 (weight_dtype), accumulation is fp32. Scratch the kernels need
+// (argmax partials, attention split partials) grows on first use and is then reused, so steady
+// state allocates nothing. Copies back to the host go through one pinned buffer and an event:
+// the host waits for its own copy, never for the whole device.
 #include <cstdio>
+#include <vector>
 
 #include "../backend.hpp"
-#include "common.cuh"
+#include "ops.cuh"
 
 namespace dflash {
 namespace {
 
-[[noreturn]] void op_missing(const char *op) {
-    fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda backend: op '", op,
-         "' is not supported yet; use the host backend");
+const bf16 *as_bf16(const void *p) { return static_cast<const bf16 *>(p); }
+bf16 *as_bf16(void *p) { return static_cast<bf16 *>(p); }
+
+const bf16 *weight_data(const WeightView &w, const char *op) {
+    if (w.dtype != DFLASH_DTYPE_BF16)
+        fail(DFLASH_STATUS_INTERNAL, "cuda ", op, ": weights must be BF16 (got ", dtype_name(w.dtype), ")");
+    return as_bf16(w.data);
 }
 
 class CudaBackend final : public Backend {
@@ -27,17 +34,19 @@ public:
             DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
             owns_stream_ = true;
         }
-    }
-    ~CudaBackend() override {
-        if (owns_stream_) {
-            cudaSetDevice(device_);
-            cudaStreamDestroy(stream_);
+        cudaError_t err = cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming);
+        if (err == cudaSuccess) err = cudaMallocHost(&pinned_, kPinnedBytes);
+        if (err != cudaSuccess) {
+            release_all();
+            (void)cudaGetLastError();
+            cuda_fail(err, "creating the cuda backend's event and pinned buffer", __FILE__, __LINE__);
         }
     }
+    ~CudaBackend() override { release_all(); }
 
     dflash_backend kind() const override { return DFLASH_BACKEND_CUDA; }
     dflash_dtype act_dtype() const override { return DFLASH_DTYPE_BF16; }
-    const char *missing_ops() const override { return "every compute op"; }
+    dflash_dtype weight_dtype(dflash_dtype) const override { return DFLASH_DTYPE_BF16; }
 
     void *alloc(size_t bytes) override {
         DFLASH_CUDA_CHECK(cudaSetDevice(device_));
@@ -56,70 +65,133 @@ public:
         if (ptr) cudaFree(ptr);
     }
     void upload(void *dst, const void *src, size_t bytes) override {
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+        if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     }
     void download(void *dst, const void *src, size_t bytes) override {
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-        DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        if (!bytes) return;
+        if (bytes <= kPinnedBytes) {  // the common case: a few tokens
+            DFLASH_CUDA_CHECK(cudaMemcpyAsync(pinned_, src, bytes, cudaMemcpyDeviceToHost, stream_));
+            DFLASH_CUDA_CHECK(cudaEventRecord(copied_, stream_));
+            DFLASH_CUDA_CHECK(cudaEventSynchronize(copied_));
+            std::memcpy(dst, pinned_, bytes);
+        } else {
+            DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+            DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        }
     }
     void copy(void *dst, const void *src, size_t bytes) override {
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+        if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
     }
     void synchronize() override { DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-    void convert_rows(const void *, dflash_dtype, bool, int64_t, int64_t, void *) override {
-        op_missing("convert_rows");
+    void convert_rows(const void *src, dflash_dtype src_dtype, bool src_on_device, int64_t n,
+                      int64_t width, void *dst) override {
+        const int64_t count = n * width;
+        if (src_on_device) {
+            cuda::convert(src, src_dtype, count, as_bf16(dst), stream_);
+            return;
+        }
+        // Host rows: round to bf16 on the host, then one upload (pageable: staged before return).
+        std::vector<uint16_t> rows(static_cast<size_t>(count));
+        for (int64_t i = 0; i < count; ++i) rows[size_t(i)] = float_to_bf16(load_as_float(src, src_dtype, i));
+        upload(dst, rows.data(), rows.size() * sizeof(uint16_t));
     }
-    void embed(const int32_t *, int64_t, WeightView, float, void *) override { op_missing("embed"); }
-    void rms_norm(const void *, int64_t, int64_t, int64_t, int64_t, WeightView, float, void *,
-                  int64_t) override {
-        op_missing("rms_norm");
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out) override {
+        cuda::embed(tokens, n, weight_data(table, "embed"), table.cols, scale, as_bf16(out), stream_);
     }
-    void gemm(const void *, int64_t, int64_t, WeightView, void *, int64_t) override {
-        op_missing("gemm");
+    void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
+                  WeightView w, float eps, void *y, int64_t ld_y) override {
+        cuda::rms_norm(as_bf16(x), rows, groups, dim, ld_x, weight_data(w, "rms_norm"), eps,
+                       as_bf16(y), ld_y, stream_);
     }
-    void rope(void *, int64_t, int64_t, int64_t, int64_t, const int32_t *, const float *,
-              float) override {
-        op_missing("rope");
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
+        cuda::gemm(as_bf16(x), m, ldx, weight_data(w, "gemm"), w.rows, w.cols, as_bf16(y), ldy, stream_);
     }
-    void kv_write(const void *, const void *, int64_t, int64_t, const int32_t *, int64_t, void *,
-                  void *) override {
-        op_missing("kv_write");
+    void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+              const int32_t *positions, const float *inv_freq, float attention_factor) override {
+        cuda::rope(as_bf16(x), rows, heads, head_dim, ld, positions, inv_freq, attention_factor, stream_);
     }
-    void attention(const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t, float,
-                   AttentionMask, const PagedKeys &, void *) override {
-        op_missing("attention");
+    void kv_write(const void *k, const void *v, int64_t rows, int64_t ld, const int32_t *slots,
+                  int64_t kv_width, void *k_cache, void *v_cache) override {
+        cuda::kv_write(as_bf16(k), as_bf16(v), rows, ld, slots, kv_width, as_bf16(k_cache),
+                       as_bf16(v_cache), stream_);
     }
-    void add(void *, const void *, int64_t) override { op_missing("add"); }
-    void swiglu(const void *, int64_t, int64_t, void *) override { op_missing("swiglu"); }
-    void logits_argmax(const void *, int64_t, WeightView, float, float, int32_t *) override {
-        op_missing("logits_argmax");
+    void attention(const void *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+                   int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
+                   const PagedKeys &keys, void *out) override {
+        void *scratch = grow(attention_scratch_, cuda::attention_scratch_bytes(
+                                                     nq, n_heads, head_dim, keys.num_keys, n_kv_heads));
+        cuda::attention(as_bf16(q), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
+                        keys, scratch, as_bf16(out), stream_);
     }
-    void copy_rows(const void *, int64_t, int64_t, int64_t, void *, int64_t) override {
-        op_missing("copy_rows");
+    void add(void *y, const void *x, int64_t n) override {
+        cuda::add(as_bf16(y), as_bf16(x), n, stream_);
     }
-    void logits(const void *, int64_t, WeightView, float, float, float *) override {
-        op_missing("logits");
+    void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) override {
+        cuda::swiglu(as_bf16(gate_up), rows, inter, as_bf16(out), stream_);
     }
-    void sampling_probs(float *, int64_t, int64_t, float, float, int32_t) override {
-        op_missing("sampling_probs");
+    void logits_argmax(const void *h, int64_t m, WeightView lm_head, float multiplier,
+                       float softcap, int32_t *tokens) override {
+        void *partial = grow(argmax_scratch_, cuda::logits_argmax_scratch_bytes(m, lm_head.rows));
+        cuda::logits_argmax(as_bf16(h), m, weight_data(lm_head, "logits_argmax"), lm_head.rows,
+                            lm_head.cols, multiplier, softcap, partial, tokens, stream_);
     }
-    void sample_rows(const float *, int64_t, int64_t, RngKey, uint32_t, uint32_t,
-                     int32_t *) override {
-        op_missing("sample_rows");
+    void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
+                   int64_t ld_dst) override {
+        cuda::copy_rows(as_bf16(src), ld_src, rows, width, as_bf16(dst), ld_dst, stream_);
     }
-    void greedy_accept(const int32_t *, const int32_t *, int64_t, int32_t *) override {
-        op_missing("greedy_accept");
+    void logits(const void *h, int64_t m, WeightView lm_head, float multiplier, float softcap,
+                float *out) override {
+        cuda::logits(as_bf16(h), m, weight_data(lm_head, "logits"), lm_head.rows, lm_head.cols,
+                     multiplier, softcap, out, stream_);
     }
-    void rejection_accept(const float *, const int32_t *, const float *, int64_t, int64_t, RngKey,
-                          int32_t *) override {
-        op_missing("rejection_accept");
+    void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
+                        int32_t top_k) override {
+        cuda::sampling_probs(rows, m, vocab, temperature, top_p, top_k, stream_);
+    }
+    void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key, uint32_t first_row,
+                     uint32_t purpose, int32_t *out) override {
+        cuda::sample_rows(probs, m, vocab, key, first_row, purpose, out, stream_);
+    }
+    void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n,
+                       int32_t *out) override {
+        cuda::greedy_accept(tokens, posterior, n, out, stream_);
+    }
+    void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
+                          int64_t vocab, RngKey key, int32_t *out) override {
+        cuda::rejection_accept(p, tokens, q, n, vocab, key, out, stream_);
     }
 
 private:
+    static constexpr size_t kPinnedBytes = 1 << 16;
+
+    // Grow-only scratch: first use (warm-up) allocates, steady state reuses.
+    void *grow(DeviceBuffer &buffer, size_t bytes) {
+        if (buffer.bytes() < bytes) {
+            buffer.reset();  // cudaFree waits for kernels still using it
+            buffer = DeviceBuffer(this, bytes);
+        }
+        return buffer.get();
+    }
+
+    void release_all() noexcept {
+        cudaSetDevice(device_);
+        argmax_scratch_.reset();
+        attention_scratch_.reset();
+        if (pinned_) cudaFreeHost(pinned_);
+        if (copied_) cudaEventDestroy(copied_);
+        if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
+        pinned_ = nullptr;
+        copied_ = nullptr;
+        stream_ = nullptr;
+    }
+
     int device_ = 0;
     cudaStream_t stream_ = nullptr;
     bool owns_stream_ = false;
+    cudaEvent_t copied_ = nullptr;
+    void *pinned_ = nullptr;
+    DeviceBuffer argmax_scratch_, attention_scratch_;
 };
 
 }  // namespace

@@ -1,0 +1,131 @@
+// elementwise.cu: dtype conversion, embedding gather, residual add, SwiGLU, row copies and the
+// paged KV write. All memory-bound and tiny next to the GEMMs; written for clarity, one thread
+// per element (grid-stride), fp32 math, one bf16 rounding per output.
+#include "ops.cuh"
+
+namespace dflash {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void convert_kernel(const T *src, int64_t n, bf16 *dst) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x)
+        dst[i] = to_bf16(to_float(src[i]));
+}
+
+// tokens: [n]; table: [V, H]; out: [n, H]
+__global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H,
+                             float scale, bf16 *out) {
+    const int64_t row = blockIdx.y;
+    const bf16 *src = table + int64_t(tokens[row]) * H;
+    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < H;
+         c += int64_t(gridDim.x) * blockDim.x)
+        out[row * H + c] = to_bf16(to_float(src[c]) * scale);
+}
+
+__global__ void add_kernel(bf16 *y, const bf16 *x, int64_t n) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x)
+        y[i] = to_bf16(to_float(y[i]) + to_float(x[i]));
+}
+
+// gate_up: [rows, 2*inter] (gate | up); out: [rows, inter]
+__global__ void swiglu_kernel(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out) {
+    const int64_t n = rows * inter;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t r = i / inter, c = i % inter;
+        const float g = to_float(gate_up[r * 2 * inter + c]);
+        const float u = to_float(gate_up[r * 2 * inter + inter + c]);
+        out[i] = to_bf16(g / (1.f + expf(-g)) * u);
+    }
+}
+
+// src: [rows, ld_src]; dst: [rows, ld_dst]; copies the first `width` of each row
+__global__ void copy_rows_kernel(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width,
+                                 bf16 *dst, int64_t ld_dst) {
+    const int64_t n = rows * width;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t r = i / width, c = i % width;
+        dst[r * ld_dst + c] = src[r * ld_src + c];
+    }
+}
+
+// k, v: [rows, ld]; caches: [slots, kv_width]
+__global__ void kv_write_kernel(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld,
+                                const int32_t *slots, int64_t kv_width, bf16 *k_cache,
+                                bf16 *v_cache) {
+    const int64_t n = rows * kv_width;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t r = i / kv_width, c = i % kv_width;
+        const int64_t slot = slots[r];
+        k_cache[slot * kv_width + c] = k[r * ld + c];
+        v_cache[slot * kv_width + c] = v[r * ld + c];
+    }
+}
+
+unsigned blocks_for(int64_t n) {
+    return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+}
+
+}  // namespace
+
+void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cudaStream_t s) {
+    if (n == 0) return;
+    switch (src_dtype) {
+        case DFLASH_DTYPE_F32:
+            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const float *>(src), n, dst);
+            break;
+        case DFLASH_DTYPE_F16:
+            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const __half *>(src), n, dst);
+            break;
+        case DFLASH_DTYPE_BF16:
+            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const bf16 *>(src), n, dst);
+            break;
+    }
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
+           cudaStream_t s) {
+    if (n == 0) return;
+    const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(n));
+    embed_kernel<<<grid, kThreads, 0, s>>>(tokens, n, table, H, scale, out);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s) {
+    if (n == 0) return;
+    add_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, x, n);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s) {
+    if (rows * inter == 0) return;
+    swiglu_kernel<<<blocks_for(rows * inter), kThreads, 0, s>>>(gate_up, rows, inter, out);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
+               int64_t ld_dst, cudaStream_t s) {
+    if (rows * width == 0) return;
+    copy_rows_kernel<<<blocks_for(rows * width), kThreads, 0, s>>>(src, ld_src, rows, width, dst,
+                                                                   ld_dst);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
+              int64_t kv_width, bf16 *k_cache, bf16 *v_cache, cudaStream_t s) {
+    if (rows * kv_width == 0) return;
+    kv_write_kernel<<<blocks_for(rows * kv_width), kThreads, 0, s>>>(k, v, rows, ld, slots,
+                                                                     kv_width, k_cache, v_cache);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+}  // namespace cuda
+}  // namespace dflash

@@ -1,0 +1,68 @@
+// ops.cuh: launchers of the cuda backend's kernels, one family per .cu file.
+//
+// Each launcher takes device pointers and a stream, validates what the kernel assumes, enqueues
+// and checks the launch. Activations are bf16, accumulation fp32. Shapes are in elements.
+#pragma once
+
+#include "../backend.hpp"
+#include "common.cuh"
+
+namespace dflash {
+namespace cuda {
+
+// elementwise.cu
+// dst[n] (bf16) = src[n] (f32 / f16 / bf16, device)
+void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cudaStream_t s);
+// out[n, H] = table[tokens[i], :] * scale; table: [V, H] bf16
+void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
+           cudaStream_t s);
+void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s);                       // y += x
+void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s);
+void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
+               int64_t ld_dst, cudaStream_t s);
+// k/v: [rows, ld] (first kv_width used) -> cache slot rows [slot, kv_width]
+void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
+              int64_t kv_width, bf16 *k_cache, bf16 *v_cache, cudaStream_t s);
+
+// norm.cu: y[r, g, :] = x[r, g, :] * rsqrt(mean(x^2) + eps) * w; w: [dim] bf16
+void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
+              const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s);
+
+// rope.cu: in-place rotate-half RoPE of x[rows, heads, head_dim] (row stride ld)
+void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+          const int32_t *positions, const float *inv_freq, float attention_factor, cudaStream_t s);
+
+// gemv.cu: the small-M GEMM family. Every output element is computed in the same order
+// whatever M is (batch-invariant), so a verify row equals the same row decoded alone.
+// y[m, N] = x[m, K] . w[N, K]^T
+void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
+          int64_t ldy, cudaStream_t s);
+// logits[m, V] fp32 = softcap(x . lm_head^T * multiplier)
+void logits(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K, float multiplier,
+            float softcap, float *out, cudaStream_t s);
+// tokens[m] = argmax of the same logits (lowest index on ties); partial: scratch of
+// logits_argmax_scratch_bytes(M, V) bytes.
+size_t logits_argmax_scratch_bytes(int64_t M, int64_t V);
+void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K,
+                   float multiplier, float softcap, void *partial, int32_t *tokens,
+                   cudaStream_t s);
+
+// attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
+size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t num_keys,
+                               int64_t n_kv_heads);
+void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+               int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s);
+
+// sampling.cu
+void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
+                    int32_t top_k, cudaStream_t s);
+void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key, uint32_t first_row,
+                 uint32_t purpose, int32_t *out, cudaStream_t s);
+void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n, int32_t *out,
+                   cudaStream_t s);
+void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
+                      int64_t vocab, RngKey key, int32_t *out, cudaStream_t s);
+
+}  // namespace cuda
+}  // namespace dflash

@@ -1,0 +1,198 @@
+"""Whole paths on the cuda backend against the host backend (run on the device machine).
+
+- Drafter propose: hidden states within 2e-2 relative of the host's; drafts identical wherever
+  the host's top-2 logit margin (recomputed in fp32 from the host hidden states) exceeds the
+  bf16 error bound.
+- Target: greedy decoding on cuda equals the host's token for token until the first position
+  where the host's own top-2 margin is within the bf16 error (then the paths may part).
+- Lossless on one backend: cuda speculative output == cuda autoregressive output, exactly.
+- Lifecycle: 10 000 alloc/propose/after_verify/free cycles leave device memory where it started.
+- Out of memory at finalize is a clean error that leaves nothing behind.
+"""
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import Drafter, DflashError, Target
+from pydflash.checkpoint import load_tensors
+
+pytestmark = pytest.mark.gpu
+
+BF16_MARGIN = 0.05  # relative to the row's logit scale: larger top-2 gaps must not flip
+
+
+def device_used_bytes():
+    from cuda.bindings import runtime
+
+    err, free, total = runtime.cudaMemGetInfo()
+    assert err == runtime.cudaError_t.cudaSuccess
+    return total - free
+
+
+def warm_up(target_dir, draft_dir):
+    """Loads every kernel once (module loading keeps device memory until process exit), so a
+    later memory comparison sees only what our objects hold."""
+    with Target.from_pretrained(target_dir, backend="cuda") as target, \
+            Drafter.from_pretrained(draft_dir, target=target) as drafter:
+        pydflash.generate(target, drafter, [1, 2, 3], 8)
+        pydflash.generate(target, drafter, [1, 2, 3], 8, temperature=0.7, top_p=0.9, top_k=5, seed=0)
+
+
+def as_f32(tensor):
+    a = tensor.array
+    if tensor.dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape)
+    return a.astype(np.float32).reshape(tensor.shape)
+
+
+def lm_head_f32(target_dir):
+    tensors = load_tensors(target_dir)
+    head = tensors.get("lm_head.weight") or tensors["model.embed_tokens.weight"]
+    return as_f32(head)
+
+
+def top2_margin(logits):
+    top = np.sort(logits)[-2:]
+    return (top[1] - top[0]) / max(1e-6, np.abs(logits).max())
+
+
+CASES = [
+    dict(hidden_size=128, vocab_size=512, target_num_layers=4, num_layers=2, target_layer_ids=[1, 2],
+         block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=256),
+    dict(hidden_size=256, vocab_size=1000, target_num_layers=5, num_layers=3, target_layer_ids=[0, 2, 4],
+         block_size=8, num_heads=4, num_kv_heads=4, head_dim=128, intermediate_size=512,
+         use_sliding_window=True, sliding_window=12, layer_types=["sliding_attention", "full_attention",
+                                                                   "sliding_attention"]),
+    dict(hidden_size=128, vocab_size=300, target_num_layers=4, num_layers=1, target_layer_ids=[3],
+         block_size=4, num_heads=8, num_kv_heads=1, head_dim=128, intermediate_size=200,
+         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("ctx_window", [0, 40])
+def test_drafter_propose_cuda_matches_host(make_pair, case, ctx_window):
+    target_dir, draft_dir = make_pair(900 + case, **CASES[case])
+    head = lm_head_f32(target_dir)
+    rng = np.random.default_rng(case)
+    with Drafter.from_pretrained(draft_dir, target_dir, backend="host", ctx_window=ctx_window) as host, \
+            Drafter.from_pretrained(draft_dir, target_dir, backend="cuda", ctx_window=ctx_window) as cuda:
+        width = host.feature_width
+        vocab = head.shape[0]
+        feats = rng.standard_normal((300, width), dtype=np.float32)
+        seqs = [host.new_sequence(), cuda.new_sequence()]
+        start = 37
+        for s in seqs:
+            s.append_context(feats[:start])
+        flips = checked = 0
+        for step in range(12):
+            anchor = int(rng.integers(vocab))
+            nd = int(rng.integers(1, host.block_size))
+            drafts = [s.propose(anchor, start, nd) for s in seqs]
+            hidden = [s.read_hidden() for s in seqs]
+            assert np.isfinite(hidden[1]).all()
+            err = np.linalg.norm(hidden[1] - hidden[0]) / np.linalg.norm(hidden[0])
+            assert err < 2e-2, f"step {step}: hidden rel err {err:.3g}"
+            logits = hidden[0] @ head.T
+            for j, (a, b) in enumerate(zip(*drafts)):
+                checked += 1
+                if a != b:
+                    assert top2_margin(logits[j]) < BF16_MARGIN, f"step {step} draft {j}: {a} vs {b}"
+                    flips += 1
+            accepted = int(rng.integers(0, nd + 1))
+            for s in seqs:
+                s.after_verify(accepted)
+                s.append_context(feats[start:start + accepted + 1])
+            start += accepted + 1
+        assert flips <= max(1, checked // 20)
+        for s in seqs:
+            s.close()
+        for d in (host, cuda):
+            stats = d.pool_stats()
+            assert stats["free_blocks"] == stats["total_blocks"]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_target_greedy_cuda_matches_host_until_a_near_tie(make_pair, case):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    target_dir, _ = make_pair(900 + case, **CASES[case])
+    rng = np.random.default_rng(100 + case)
+    prompt = rng.integers(0, 300, size=45).tolist()
+    outs = {}
+    for backend in ("host", "cuda"):
+        with Target.from_pretrained(target_dir, backend=backend, prefill_chunk=16) as target:
+            outs[backend] = pydflash.generate(target, None, prompt, 40).output_ids
+    host, cuda = outs["host"], outs["cuda"]
+    if host == cuda:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(host, cuda)) if a != b)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + host[:first]])).logits[0, -1].numpy()
+    assert top2_margin(logits) < BF16_MARGIN, f"cuda and host part at {first} with a clear margin"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size):
+    target_dir, draft_dir = make_pair(900 + case, **CASES[case])
+    rng = np.random.default_rng(7 + case)
+    with Target.from_pretrained(target_dir, backend="cuda") as target, \
+            Drafter.from_pretrained(draft_dir, target=target) as drafter:
+        for trial in range(4):
+            prompt = rng.integers(0, 300, size=int(rng.integers(1, 120))).tolist()
+            ar = pydflash.generate(target, None, prompt, 48).output_ids
+            spec = pydflash.generate(target, drafter, prompt, 48, block_size=block_size)
+            assert spec.output_ids == ar, f"trial {trial}"
+        for obj in (target, drafter):
+            stats = obj.pool_stats()
+            assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_cuda_sampling_runs_and_is_seeded(make_pair):
+    target_dir, draft_dir = make_pair(900, **CASES[0])
+    with Target.from_pretrained(target_dir, backend="cuda") as target, \
+            Drafter.from_pretrained(draft_dir, target=target) as drafter:
+        kw = dict(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+        a = pydflash.generate(target, drafter, [1, 2, 3], 32, **kw)
+        b = pydflash.generate(target, drafter, [1, 2, 3], 32, **kw)
+        assert a.output_ids == b.output_ids
+        c = pydflash.generate(target, drafter, [1, 2, 3], 32, draft_mode="sample", **kw)
+        assert len(c.output_ids) == 32
+
+
+def test_ten_thousand_cycles_return_device_memory(make_pair):
+    target_dir, draft_dir = make_pair(900, **CASES[0])
+    warm_up(target_dir, draft_dir)
+    before = device_used_bytes()
+    with Drafter.from_pretrained(draft_dir, target_dir, backend="cuda", max_batch=2) as d:
+        feats = np.random.default_rng(0).standard_normal((24, d.feature_width), dtype=np.float32)
+        with d.new_sequence() as warm:  # first use sizes the kernels' scratch
+            warm.append_context(feats)
+            warm.propose(1, 24, 15)
+            warm.after_verify(0)
+        during = device_used_bytes()
+        for cycle in range(10_000):
+            with d.new_sequence() as seq:
+                seq.append_context(feats[: 1 + cycle % 24])
+                drafts = seq.propose(cycle % 500, 1 + cycle % 24, 1 + cycle % 15)
+                seq.after_verify(cycle % (len(drafts) + 1))
+        assert device_used_bytes() == during, "steady-state cycles allocated device memory"
+        stats = d.pool_stats()
+        assert stats["free_blocks"] == stats["total_blocks"]
+    assert device_used_bytes() == before
+
+
+def test_out_of_memory_is_clean(make_pair):
+    target_dir, draft_dir = make_pair(900, **CASES[0])
+    warm_up(target_dir, draft_dir)
+    before = device_used_bytes()
+    with pytest.raises(DflashError) as info:
+        # ~ 10^6 sequences of 4096 tokens: far beyond 141 GB of KV
+        Target.from_pretrained(target_dir, backend="cuda", max_batch=60000, max_seq_len=1 << 16)
+    assert info.value.status_name == "DFLASH_STATUS_OUT_OF_MEMORY", info.value
+    assert "cudaMalloc" in info.value.message
+    assert device_used_bytes() == before
+    with Target.from_pretrained(target_dir, backend="cuda") as target:  # the GPU still works
+        assert len(pydflash.generate(target, None, [1, 2], 4).output_ids) == 4
