@@ -1,9 +1,11 @@
-"""Drafter and target configs, read from config.json exactly as dflash.model + transformers' Qwen3Config do.
+"""Drafter and target configs, read from config.json exactly as dflash.model + transformers' Qwen3Config /
+LlamaConfig do.
 
 The oracle is `dflash.model` (PyPI dflash 0.1.0) on transformers 5.15: DFlash fields go through
 `_draft_value(config, name, default)` (the `dflash_config` dict first, then the root), everything else through
-Qwen3Config's defaults and __post_init__, and RoPE through transformers' `convert_rope_params_to_dict` /
-`standardize_rope_params`. What the engine cannot run is refused here with a ValueError naming the field.
+Qwen3Config's (or LlamaConfig's) defaults and __post_init__, and RoPE through transformers'
+`convert_rope_params_to_dict` / `standardize_rope_params`. What the engine cannot run is refused here with a
+ValueError naming the field.
 """
 
 import json
@@ -30,6 +32,28 @@ _QWEN3_DEFAULTS = {
     "sliding_window": 4096,
     "max_window_layers": 28,
 }
+# LlamaConfig's defaults (transformers 5.15); head_dim and num_key_value_heads are derived when absent or null.
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Target architectures the engine runs: (model_type, HF class) -> the name used in TargetConfig.arch, whose
+# order is enum dflash_arch.
+_ARCHS = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "llama": ("llama", "LlamaForCausalLM")}
+_ARCH_ORDER = ("qwen3", "llama")
 _DEFAULT_ROPE_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_TYPES = ("default", "yarn", "llama3")  # the order of enum dflash_rope_type
@@ -75,6 +99,15 @@ class RopeConfig:
     truncate: bool = True
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+
+    def fill(self, c_rope):
+        """Write these values into a cffi `dflash_rope_params` (a field of the drafter or target params)."""
+        c_rope.type = _ROPE_TYPES.index(self.type)
+        c_rope.theta, c_rope.factor, c_rope.original_max_position = self.theta, self.factor, self.original_max_position
+        c_rope.beta_fast, c_rope.beta_slow, c_rope.attention_factor = self.beta_fast, self.beta_slow, \
+            self.attention_factor
+        c_rope.mscale, c_rope.mscale_all_dim, c_rope.truncate = self.mscale, self.mscale_all_dim, int(self.truncate)
+        c_rope.low_freq_factor, c_rope.high_freq_factor = self.low_freq_factor, self.high_freq_factor
 
     @classmethod
     def from_config(cls, cfg, layer_types, max_position_embeddings):
@@ -268,12 +301,7 @@ class DrafterConfig:
         p.num_heads, p.num_kv_heads, p.head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         p.vocab_size, p.rms_norm_eps = self.vocab_size, self.rms_norm_eps
         p.max_position_embeddings = self.max_position_embeddings
-        r = self.rope
-        p.rope.type = _ROPE_TYPES.index(r.type)
-        p.rope.theta, p.rope.factor, p.rope.original_max_position = r.theta, r.factor, r.original_max_position
-        p.rope.beta_fast, p.rope.beta_slow, p.rope.attention_factor = r.beta_fast, r.beta_slow, r.attention_factor
-        p.rope.mscale, p.rope.mscale_all_dim, p.rope.truncate = r.mscale, r.mscale_all_dim, int(r.truncate)
-        p.rope.low_freq_factor, p.rope.high_freq_factor = r.low_freq_factor, r.high_freq_factor
+        self.rope.fill(p.rope)
         p.sliding_window = self.sliding_window or 0
         p.is_causal = -1 if self.is_causal is None else int(self.is_causal)
         for i, kind in enumerate(self.layer_types):
@@ -317,3 +345,138 @@ class TargetInfo:
                    num_hidden_layers=int(value("num_hidden_layers")),
                    tie_word_embeddings=bool(value("tie_word_embeddings", False)))
 
+
+
+def _token_ids(value, name):
+    """A config's int / list of ints / null token-id field as a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{name} must be a non-negative int or a list of them, got {value!r}")
+    return list(values)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The model part of dflash_target_params, from a Qwen3ForCausalLM or LlamaForCausalLM config.json, with the
+    defaults and derivations of transformers' Qwen3Config / LlamaConfig."""
+
+    arch: str  # "qwen3" | "llama"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    eos_token_ids: list  # stop tokens a caller may use; generation_config.json's when the directory has one
+    bos_token_id: int | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, source: dict | str | PathLike) -> "TargetConfig":
+        """source: a parsed config dict, a config.json path, or a checkpoint directory (whose
+        generation_config.json, if any, supplies eos_token_id as transformers' generate() would take it)."""
+        cfg = _read_json(source)
+        model_type, architectures = cfg.get("model_type"), cfg.get("architectures") or []
+        arch = next((name for name, (mtype, hf_class) in _ARCHS.items()
+                     if model_type == mtype or hf_class in architectures), None)
+        if arch is None:
+            supported = ", ".join(f"{m} ({c})" for m, c in _ARCHS.values())
+            raise ValueError(f"target model_type {model_type!r} / architectures {architectures} is not supported "
+                             f"(supported: {supported})")
+        defaults = _QWEN3_DEFAULTS if arch == "qwen3" else _LLAMA_DEFAULTS
+
+        def value(name):
+            return cfg.get(name, defaults.get(name))
+
+        if value("hidden_act") != "silu":
+            raise ValueError(f"hidden_act {value('hidden_act')!r} is not supported (only 'silu')")
+        for flag in ("attention_bias", "mlp_bias"):
+            if value(flag):
+                raise ValueError(f"{flag} is not supported")
+        num_layers, num_heads = int(value("num_hidden_layers")), int(value("num_attention_heads"))
+        hidden = int(value("hidden_size"))
+        if arch == "qwen3":
+            # Qwen3Config: an explicit null means "as many as query heads"; absent means the class default (32).
+            num_kv_heads = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else value("num_key_value_heads")
+            head_dim = value("head_dim")
+            layer_types = cfg.get("layer_types")
+            if layer_types is None:
+                window = value("sliding_window") if value("use_sliding_window") else None
+                layer_types = ["sliding_attention" if window is not None and i >= value("max_window_layers")
+                               else "full_attention" for i in range(num_layers)]
+            if "sliding_attention" in layer_types:
+                raise ValueError("sliding-window attention layers (use_sliding_window / layer_types) are not "
+                                 "supported in a target")
+        else:
+            num_kv_heads, head_dim = value("num_key_value_heads"), value("head_dim")
+            if hidden % num_heads:  # LlamaConfig.validate_architecture
+                raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}")
+            layer_types = ["full_attention"] * num_layers
+        num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
+        head_dim = hidden // num_heads if head_dim is None else int(head_dim)
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                             f"{num_kv_heads}")
+        max_position = int(value("max_position_embeddings"))
+        rope = RopeConfig.from_config(cfg, tuple(layer_types), max_position)
+
+        eos = value("eos_token_id")
+        if not isinstance(source, dict) and Path(source).is_dir():
+            generation = Path(source) / "generation_config.json"
+            if generation.is_file():
+                gen = _read_json(generation)
+                if gen.get("eos_token_id") is not None:
+                    eos = gen["eos_token_id"]
+        bos = value("bos_token_id")
+        return cls(arch=arch, num_layers=num_layers, hidden_size=hidden,
+                   intermediate_size=int(value("intermediate_size")), num_heads=num_heads,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=int(value("vocab_size")),
+                   rms_norm_eps=float(value("rms_norm_eps")), max_position_embeddings=max_position, rope=rope,
+                   tie_word_embeddings=bool(value("tie_word_embeddings")),
+                   eos_token_ids=_token_ids(eos, "eos_token_id"), bos_token_id=None if bos is None else int(bos),
+                   raw=cfg)
+
+    @property
+    def info(self) -> TargetInfo:
+        """What a drafter needs to know about this target."""
+        return TargetInfo(self.hidden_size, self.vocab_size, self.num_layers, self.tie_word_embeddings)
+
+    def tensor_shapes(self) -> dict:
+        """{name: shape} of every tensor the library expects, without the checkpoint's "model." prefix."""
+        H, I, hd, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        shapes = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, H)
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I)})
+            if self.arch == "qwen3":
+                shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        return shapes
+
+    def to_params(self, ffi, lib, *, max_batch=1, max_seq_len=4096, max_verify_rows=16, prefill_chunk=256):
+        """A filled `dflash_target_params *` (cffi-owned)."""
+        p = ffi.new("dflash_target_params *", lib.dflash_target_default_params())
+        p.arch = _ARCH_ORDER.index(self.arch)
+        p.num_layers, p.hidden_size, p.intermediate_size = self.num_layers, self.hidden_size, self.intermediate_size
+        p.num_heads, p.num_kv_heads, p.head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        p.vocab_size, p.rms_norm_eps = self.vocab_size, self.rms_norm_eps
+        p.max_position_embeddings = self.max_position_embeddings
+        self.rope.fill(p.rope)
+        p.tie_word_embeddings = int(self.tie_word_embeddings)
+        p.max_batch, p.max_seq_len = max_batch, max_seq_len
+        p.max_verify_rows, p.prefill_chunk = max_verify_rows, prefill_chunk
+        return p

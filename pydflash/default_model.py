@@ -1,8 +1,14 @@
-"""A tiny deterministic random target + DFlash drafter pair (HF layout) for `pydflash demo`.
+"""The embedded default model: a small Qwen3 target + DFlash drafter pair (HF layout) that `pydflash generate`
+uses when no --target/--draft is given.
 
-Pure numpy: the wheel carries no tools/ directory and the demo must run offline. Files are written once into
-~/.cache/pydflash/demo-v1 (bump the version when the layout changes) through a temporary directory that is
-renamed into place, so an interrupted run never leaves a half-written checkpoint behind.
+The target is byte-level (ids 0..255 are UTF-8 bytes, 256 is EOS, 257 the drafter's mask), so text goes in and
+out without a tokenizer file. The weights are random, drawn deterministically: the pair exercises the whole
+engine (prefill, capture, propose, verify, rollback) but drafts are rarely accepted; a later release ships a
+trained pair under a new VERSION.
+
+Pure numpy: the wheel carries no tools/ directory and the CLI must run offline. Files are written once into
+$XDG_CACHE_HOME/pydflash/default-v1 (~/.cache when unset) through a temporary directory renamed into place, so
+neither an interrupted run nor two concurrent first runs leave a half-written checkpoint behind.
 """
 
 import json
@@ -14,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-VERSION = "demo-v1"
-TARGET = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
-DRAFT = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "intermediate_size": 128, "block_size": 8, "target_layer_ids": [1, 3]}
+VERSION = "default-v1"  # bump whenever anything below changes: caches are keyed by it
+EOS_TOKEN_ID, MASK_TOKEN_ID = 256, 257
+TARGET = {"vocab_size": 258, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256}
+DRAFT = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "intermediate_size": 256, "block_size": 8, "target_layer_ids": [1, 2]}
 
 
 def cache_dir():
@@ -78,35 +85,49 @@ def _write(directory, config, shapes, seed):
     _write_safetensors(directory / "model.safetensors", _random_weights(shapes, seed))
 
 
-def ensure_demo_checkpoint(root=None):
-    """(draft_dir, target_dir), writing them first if absent."""
+def _complete(root):
+    return (root / "target" / "model.safetensors").is_file() and (root / "draft" / "model.safetensors").is_file()
+
+
+def ensure_default_model(root=None):
+    """(target_dir, draft_dir) of the default pair, writing them first if absent (root: default cache_dir())."""
     root = Path(root) if root else cache_dir()
-    if not (root / "draft" / "model.safetensors").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-        t, d, hidden, vocab = TARGET, DRAFT, TARGET["hidden_size"], TARGET["vocab_size"]
-        shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-                  "lm_head.weight": (vocab, hidden)}
-        for i in range(t["num_hidden_layers"]):
-            shapes.update(_layer_shapes(f"model.layers.{i}.", hidden, t))
-        _write(tmp / "target", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **t,
-                                "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-                                "max_position_embeddings": 4096, "hidden_act": "silu"}, shapes, seed=0)
-        ids = d["target_layer_ids"]
-        shapes = {"fc.weight": (hidden, len(ids) * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
-        for i in range(d["num_hidden_layers"]):
-            shapes.update(_layer_shapes(f"layers.{i}.", hidden, d))
-        _write(tmp / "draft", {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-                               **{k: v for k, v in d.items() if k not in ("block_size", "target_layer_ids")},
-                               "hidden_size": hidden, "vocab_size": vocab, "num_target_layers": t["num_hidden_layers"],
-                               "block_size": d["block_size"],
-                               "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": ids},
-                               "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-                               "hidden_act": "silu", "tie_word_embeddings": False}, shapes, seed=1)
-        try:
-            os.rename(tmp, root)
-        except OSError:  # another process won the race (or a stale dir is in the way): keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (root / "draft" / "model.safetensors").is_file():
-                raise
-    return root / "draft", root / "target"
+    if _complete(root):
+        return root / "target", root / "draft"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
+    try:
+        _write_pair(tmp)
+        os.rename(tmp, root)  # atomic: readers see no directory or a complete one
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(root):  # not another process winning the race: something is in the way
+            raise OSError(f"cannot create the default model in {root}; if a partial directory is there, delete "
+                          f"it") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root / "target", root / "draft"
+
+
+def _write_pair(tmp):
+    t, d, hidden, vocab = TARGET, DRAFT, TARGET["hidden_size"], TARGET["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(t["num_hidden_layers"]):
+        shapes.update(_layer_shapes(f"model.layers.{i}.", hidden, t))
+    _write(tmp / "target", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **t,
+                            "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                            "max_position_embeddings": 4096, "hidden_act": "silu", "bos_token_id": None,
+                            "eos_token_id": EOS_TOKEN_ID}, shapes, seed=0)
+    ids = d["target_layer_ids"]
+    shapes = {"fc.weight": (hidden, len(ids) * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for i in range(d["num_hidden_layers"]):
+        shapes.update(_layer_shapes(f"layers.{i}.", hidden, d))
+    _write(tmp / "draft", {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                           **{k: v for k, v in d.items() if k not in ("block_size", "target_layer_ids")},
+                           "hidden_size": hidden, "vocab_size": vocab, "num_target_layers": t["num_hidden_layers"],
+                           "block_size": d["block_size"],
+                           "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": ids},
+                           "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+                           "hidden_act": "silu", "tie_word_embeddings": False}, shapes, seed=1)

@@ -11,6 +11,7 @@ from . import _ffi
 from .checkpoint import CheckpointError, load_tensors
 from .config import DrafterConfig, TargetInfo
 from .devices import stream_handle
+from .sampling import sampling_pointer
 
 # Where a Hugging Face causal LM keeps the two tensors the drafter borrows, by the drafter's name for them.
 _TARGET_TENSORS = {
@@ -108,13 +109,22 @@ class Sequence:
             self._live(), lib.ffi.cast("const void *", int(data_ptr)), getattr(lib.lib, _FEATURE_DTYPES[key][0]),
             1, n_rows, -1 if first_pos is None else first_pos))
 
-    def propose(self, last_token, position, num_drafts) -> list:
+    def propose(self, last_token, position, num_drafts, sampling=None) -> list:
         """Draft tokens for the block anchored at last_token (the last committed token) at `position` (one past
         the last context row). Returns clamp(num_drafts + 1, 2, block_size) - 1 token ids; the block must fit
-        the budget. after_verify must follow before the next propose or append_context."""
+        the budget. after_verify must follow before the next propose or append_context.
+
+        sampling (a SamplingParams): draft_mode "sample" draws each draft from the drafter's own distribution and
+        keeps it as the proposal the target's verify rejection-samples against; "greedy" (or None, or
+        temperature 0) proposes the argmax."""
         lib = self._drafter._lib
-        lib.check(lib.lib.dflash_drafter_seq_propose(self._live(), last_token, position, num_drafts,
-                                                     self._tokens, self._max_drafts, self._count))
+        if sampling is None:
+            lib.check(lib.lib.dflash_drafter_seq_propose(self._live(), last_token, position, num_drafts,
+                                                         self._tokens, self._max_drafts, self._count))
+        else:
+            lib.check(lib.lib.dflash_drafter_seq_propose_sampled(
+                self._live(), last_token, position, num_drafts, sampling_pointer(lib, sampling), self._tokens,
+                self._max_drafts, self._count))
         return lib.ffi.unpack(self._tokens, self._count[0])
 
     def read_hidden(self) -> np.ndarray:
@@ -127,7 +137,8 @@ class Sequence:
         return out[: self._count[0]]
 
     def after_verify(self, num_accepted):
-        """The target accepted num_accepted drafts of the last propose; then append the committed rows."""
+        """The target accepted num_accepted drafts of the last propose. If a TargetSequence.verify staged this
+        block's features here, the first num_accepted + 1 rows become context rows; otherwise append them."""
         lib = self._drafter._lib
         lib.check(lib.lib.dflash_drafter_seq_after_verify(self._live(), num_accepted))
 
@@ -166,45 +177,73 @@ class Sequence:
 class Drafter:
     """A DFlash drafter on one backend. Create with Drafter.from_pretrained; free with close() / `with`."""
 
-    def __init__(self, lib, context, handle, config, target, backend, device):
-        self._lib, self._context, self._handle = lib, context, handle
+    def __init__(self, lib, context, handle, config, target_info, backend, device, *, target=None,
+                 max_seq_len=4096):
+        self._lib, self._context, self._handle = lib, context, handle  # context None: the target's is shared
         self._sequences = set()  # live Sequence objects, so close() can mark them closed
-        self.config, self.target, self.backend, self.device = config, target, backend, device
+        self.config, self.target_info, self.backend, self.device = config, target_info, backend, device
+        self.target = target  # the Target whose weights and context this drafter shares; None when standalone
+        self.max_seq_len = max_seq_len
         self.block_size = config.block_size
         self.hidden_size = config.hidden_size
-        self.feature_width = len(config.target_layer_ids) * target.hidden_size
+        self.feature_width = len(config.target_layer_ids) * target_info.hidden_size
 
     @classmethod
-    def from_pretrained(cls, draft_dir, target_dir, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
-                        ctx_window=0, ctx_chunk_rows=0, stream=None) -> "Drafter":
-        """Load a DFlash drafter checkpoint (HF layout) and borrow embed_tokens / lm_head from its target's.
+    def from_pretrained(cls, draft_dir, target_dir=None, backend=None, device=None, *, target=None, max_batch=1,
+                        max_seq_len=4096, ctx_window=0, ctx_chunk_rows=0, stream=None) -> "Drafter":
+        """Load a DFlash drafter checkpoint (HF layout) for its target, given exactly one way:
 
-        Only those two target tensors are mapped; the rest of the target checkpoint is never read. `stream` is
-        a CUDA stream to enqueue on (int, torch/CuPy/cuda-python stream; None: the library makes one).
+        - target=Target: share that target's context, embed_tokens and lm_head in memory (nothing is copied; the
+          backend, device and stream are the target's). Its sequences can then be fed by the target's prefill
+          and verify (hidden-state capture), which pydflash.generate needs.
+        - target_dir: a standalone drafter that copies embed_tokens / lm_head from the target checkpoint (only
+          those two tensors are mapped) and gets context rows through Sequence.append_context.
+          backend "host" (default) or "cuda"; `stream` a CUDA stream to enqueue on (int, torch/CuPy/cuda-python
+          stream; None: the library makes one).
         """
+        if (target_dir is None) == (target is None):
+            raise ValueError("give exactly one of target_dir (a checkpoint directory) or target (a pydflash.Target)")
         lib = _ffi.load()
         ffi, c = lib.ffi, lib.lib
+        if target is not None:
+            if not hasattr(target, "_live") or not hasattr(target, "config") or not hasattr(target.config, "info"):
+                raise TypeError(f"target must be a pydflash.Target, got {type(target).__name__}")
+            for name, given, own in (("backend", backend, target.backend), ("device", device, target.device)):
+                if given is not None and str(given).lower() != str(own):
+                    raise ValueError(f"{name}={given!r} differs from the target's {own!r} (a drafter made with "
+                                     f"target= runs where its target runs)")
+            if stream is not None:
+                raise ValueError("stream cannot be given with target= (the drafter uses the target's stream)")
+            backend, device, target_info = target.backend, target.device, target.config.info
+        else:
+            backend = "host" if backend is None else backend
+            device = 0 if device is None else device
+            target_info = TargetInfo.from_json(target_dir)
         backend_code = {"host": c.DFLASH_BACKEND_HOST, "cuda": c.DFLASH_BACKEND_CUDA}.get(str(backend).lower())
         if backend_code is None:
             raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
         config = DrafterConfig.from_json(draft_dir)
-        target = TargetInfo.from_json(target_dir)
-        config.check_target(target)
-        expected = config.tensor_shapes(target)
+        config.check_target(target_info)
+        expected = config.tensor_shapes(target_info)
+        if target is not None:  # shared in memory, never given
+            expected = {k: v for k, v in expected.items() if k not in _TARGET_TENSORS}
         tensors = _gather_tensors(draft_dir, target_dir, expected)
-        params = config.to_params(ffi, c, target=target, max_batch=max_batch, max_seq_len=max_seq_len,
+        params = config.to_params(ffi, c, target=target_info, max_batch=max_batch, max_seq_len=max_seq_len,
                                   ctx_window=ctx_window, ctx_chunk_rows=ctx_chunk_rows)
-        context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
-        context_params.backend, context_params.device = backend_code, device
-        context_params.stream = stream_handle(stream)
 
         context = handle = None
         try:
-            out = ffi.new("dflash_context **")
-            lib.check(c.dflash_context_create(context_params, out))
-            context = out[0]
             out = ffi.new("dflash_drafter **")
-            lib.check(c.dflash_drafter_create(context, params, out))
+            if target is not None:
+                lib.check(c.dflash_drafter_create_for_target(target._live(), params, out))
+            else:
+                context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
+                context_params.backend, context_params.device = backend_code, device
+                context_params.stream = stream_handle(stream)
+                context_out = ffi.new("dflash_context **")
+                lib.check(c.dflash_context_create(context_params, context_out))
+                context = context_out[0]
+                lib.check(c.dflash_drafter_create(context, params, out))
             handle = out[0]
             dtypes = {"F32": c.DFLASH_DTYPE_F32, "F16": c.DFLASH_DTYPE_F16, "BF16": c.DFLASH_DTYPE_BF16}
             for name in sorted(expected):
@@ -218,7 +257,8 @@ class Drafter:
             c.dflash_drafter_destroy(handle or ffi.NULL)
             c.dflash_context_destroy(context or ffi.NULL)
             raise
-        return cls(lib, context, handle, config, target, str(backend).lower(), device)
+        return cls(lib, context, handle, config, target_info, str(backend).lower(), device, target=target,
+                   max_seq_len=max_seq_len)
 
     @property
     def closed(self):
@@ -254,7 +294,8 @@ class Drafter:
         try:
             self._lib.check(self._lib.lib.dflash_drafter_destroy(handle))
         finally:
-            self._lib.check(self._lib.lib.dflash_context_destroy(context))
+            if context is not None:  # a drafter made with target= shares the target's context, which it closes
+                self._lib.check(self._lib.lib.dflash_context_destroy(context))
 
     def __enter__(self):
         return self
@@ -277,7 +318,8 @@ class Drafter:
 
 def _gather_tensors(draft_dir, target_dir, expected):
     """{canonical name: Tensor} for exactly the `expected` names, or ONE CheckpointError listing every missing,
-    unexpected and misshaped tensor (the library validates again; this message is the readable one)."""
+    unexpected and misshaped tensor (the library validates again; this message is the readable one).
+    embed_tokens / lm_head come from target_dir when `expected` holds them (a standalone drafter)."""
     tensors, problems = {}, []
     for name, tensor in load_tensors(draft_dir).items():
         canonical = name[len("model."):] if name.startswith("model.") else name  # the library accepts both
@@ -290,7 +332,7 @@ def _gather_tensors(draft_dir, target_dir, expected):
         problems.append(f"unexpected in {draft_dir}: {', '.join(unexpected)}")
 
     wanted = {k: v for k, v in _TARGET_TENSORS.items() if k in expected}
-    found = load_tensors(target_dir, names=[n for names in wanted.values() for n in names])
+    found = load_tensors(target_dir, names=[n for names in wanted.values() for n in names]) if wanted else {}
     for canonical, names in wanted.items():
         hit = next((found[n] for n in names if n in found), None)
         if hit is None:

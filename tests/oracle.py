@@ -1,9 +1,11 @@
-"""Reference harness: Z Lab's `dflash` + transformers Qwen3 on CPU in fp32, shaped like pydflash's per-sequence API.
+"""Reference harness: Z Lab's `dflash` + transformers (Qwen3 / Llama) on CPU in fp32, shaped like pydflash's
+per-sequence API, plus whole-generation oracles (`target_greedy`, `reference_dflash_generate`).
 
 Tests import this module only behind `pytest.importorskip("torch")`; nothing else in the package depends on it.
 """
 
 import functools
+import time
 
 import numpy as np
 import torch
@@ -14,8 +16,9 @@ from torch.nn import functional as F
 
 @functools.lru_cache(maxsize=None)
 def load_target(target_dir):
-    """Qwen3ForCausalLM in fp32, eval mode; cached per directory (models are only read, never mutated)."""
-    return transformers.Qwen3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    """The checkpoint's causal LM (Qwen3ForCausalLM or LlamaForCausalLM, per config.json) in fp32, eval mode;
+    cached per directory (models are only read, never mutated)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,3 +115,97 @@ class ReferenceDrafter:
         """Bookkeeping only: the accepted tokens' features come in through append_context."""
         assert 0 <= num_accepted <= self.last_num_drafts, (num_accepted, self.last_num_drafts)
         self.num_accepted.append(int(num_accepted))
+
+
+def _cut_at_stop(new_ids, stop_token_ids):
+    """new_ids truncated at and including the first stop token (all of them when none occurs)."""
+    stops = set(stop_token_ids or ())
+    for i, token in enumerate(new_ids):
+        if token in stops:
+            return new_ids[:i + 1]
+    return new_ids
+
+
+@torch.inference_mode()
+def target_greedy(target_dir, prompt_ids, max_new_tokens, stop_token_ids=None, *, with_margins=False):
+    """The target's own greedy continuation by transformers' `generate` (fp32, do_sample=False): the NEW tokens
+    only, truncated at and including the first stop token.
+
+    Nothing from the checkpoint's generation defaults can cut or alter the run: the model's generation_config is
+    swapped for a blank one for the call (transformers merges its eos_token_id into any config passed in, even
+    an explicit eos_token_id=None), no eos is given, and exactly max_new_tokens tokens are generated (asserted)
+    before the stop-token cut is applied here.
+
+    with_margins=True also returns, per returned token, the gap between the top two logits of the row that chose
+    it divided by that row's largest |logit|: a near-tie (tiny margin) is where two correct fp32
+    implementations may legitimately pick different tokens.
+    """
+    model = load_target(target_dir)
+    ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=int(max_new_tokens), num_beams=1,
+                                           pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                                           output_scores=with_margins, return_dict_in_generate=True)
+    saved, model.generation_config = model.generation_config, transformers.GenerationConfig()
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.generation_config = saved
+    new_ids = out.sequences[0, ids.shape[1]:].tolist()
+    assert len(new_ids) == max_new_tokens, f"generate made {len(new_ids)} tokens, asked for {max_new_tokens}"
+    new_ids = _cut_at_stop(new_ids, stop_token_ids)
+    if not with_margins:
+        return new_ids
+    margins = []
+    for scores in out.scores[:len(new_ids)]:
+        top2 = torch.topk(scores[0].float(), 2).values
+        margins.append(float((top2[0] - top2[1]) / scores[0].abs().max().clamp_min(1e-30)))
+    return new_ids, margins
+
+
+@torch.inference_mode()
+def reference_dflash_generate(draft_dir, target_dir, prompt_ids, max_new_tokens, block_size=None,
+                              stop_token_ids=None, *, with_details=False):
+    """`dflash.model.dflash_generate` itself (greedy, return_stats=True) on the cached fp32 models.
+
+    Returns (new_ids, acceptance_lengths): new_ids = its output minus the prompt. with_details=True adds a third
+    item, {"drafts": each step's drafts (the drafter's argmax; [] for a step that drafted nothing),
+    "min_margin": the smallest relative top-2 logit gap of any draft (inf when nothing was drafted)}: below ~1e-5
+    another fp32 drafter may legitimately draft differently there.
+    """
+    drafter, target = load_drafter(draft_dir), load_target(target_dir)
+    calls = []
+    if with_details:
+        compute_logits = drafter.compute_logits
+
+        def recording(hidden, head):
+            logits = compute_logits(hidden, head)
+            top2 = torch.topk(logits[0].float(), 2, dim=-1).values
+            scale = logits[0].float().abs().amax(dim=-1).clamp_min(1e-30)
+            calls.append((logits[0].argmax(-1).tolist(), ((top2[:, 0] - top2[:, 1]) / scale).min().item()))
+            return logits
+
+        drafter.compute_logits = recording  # an instance attribute, removed again below
+    # return_stats times with torch.cuda.synchronize(), which a CPU-only torch refuses: time on the CPU clock.
+    cuda_time, dfm._cuda_time = dfm._cuda_time, time.perf_counter
+    try:
+        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
+        stats = dfm.dflash_generate(drafter, target, ids, int(max_new_tokens),
+                                    list(stop_token_ids) if stop_token_ids else None,
+                                    block_size=block_size, return_stats=True)
+    finally:
+        dfm._cuda_time = cuda_time
+        if with_details:
+            del drafter.compute_logits
+    new_ids = stats.output_ids[0, ids.shape[1]:].tolist()
+    lengths = [int(n) for n in stats.acceptance_lengths]
+    if not with_details:
+        return new_ids, lengths
+    # A step drafts (calls compute_logits) exactly when its block is wider than one row.
+    width = block_size or drafter.block_size
+    drafts, found, start = [], iter(calls), len(prompt_ids)
+    max_length = len(prompt_ids) + int(max_new_tokens)
+    for n in lengths:
+        drafts.append(next(found)[0] if min(width, max_length - start) > 1 else [])
+        start += n
+    assert next(found, None) is None, "more drafter calls than steps"
+    return new_ids, lengths, {"drafts": drafts, "min_margin": min((m for _, m in calls), default=float("inf"))}

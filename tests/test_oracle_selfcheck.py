@@ -267,3 +267,107 @@ def test_target_features_match_reference_prefill(make_pair):
     layer_ids = oracle.load_drafter(draft_dir).target_layer_ids
     np.testing.assert_allclose(oracle.target_features(target_dir, prompt, layer_ids), calls[0]["ctx"].numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+# --- Llama targets ----------------------------------------------------------------------------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("tied,rope_scaling,shards", [(False, None, 1), (True, LLAMA3, 3), (False, LLAMA3, 1),
+                                                      (True, None, 1)])
+def test_llama_checkpoint_loads_without_missing_or_unexpected_keys(make_pair, tied, rope_scaling, shards):
+    target_dir, draft_dir = make_pair(31, arch="llama", target_rope_scaling=rope_scaling, tie_word_embeddings=tied,
+                                      shards=shards, target_num_heads=8, target_num_kv_heads=2, target_head_dim=16,
+                                      block_size=4)
+    target, info = transformers.LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not any(info.values()), info
+    assert target.config.model_type == "llama" and target.config.head_dim == 16
+    assert target.config.num_key_value_heads == 2 and target.config.tie_word_embeddings is tied
+    expected_rope = {"rope_type": "default"} if rope_scaling is None else dict(rope_scaling)
+    assert target.config.rope_parameters == {**expected_rope, "rope_theta": 10000.0}
+    on_disk = _load_all(target_dir)
+    assert not any("q_norm" in n or "k_norm" in n for n in on_disk), "Llama has no q/k norm"
+    assert ("lm_head.weight" in on_disk) is not tied
+    for name, param in target.state_dict().items():
+        stored = on_disk.get(name, on_disk.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        assert stored is not None and torch.equal(param, stored.float()), name
+    # The drafter is built for, and runs against, a Llama target.
+    drafter, info = dfm.DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    prompt = np.random.default_rng(2).integers(0, 511, 70).tolist()  # past original_max_position_embeddings
+    ids, lengths = oracle.reference_dflash_generate(draft_dir, target_dir, prompt, 12)
+    assert ids == oracle.target_greedy(target_dir, prompt, 12) and sum(lengths) == 11
+
+
+def test_llama3_rope_changes_the_model(make_pair):
+    """rope_scaling reaches transformers: the same weights with and without llama3 scaling decode differently
+    on a prompt longer than original_max_position_embeddings (so a loader ignoring it would be caught)."""
+    prompt = np.random.default_rng(3).integers(0, 511, 200).tolist()
+    plain, _ = make_pair(32, arch="llama")
+    scaled, _ = make_pair(32, arch="llama", target_rope_scaling=LLAMA3)
+    assert _load_all(plain).keys() == _load_all(scaled).keys()
+    a, b = oracle.load_target(plain), oracle.load_target(scaled)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        assert not torch.allclose(a(ids).logits, b(ids).logits, atol=1e-3)
+
+
+def test_qwen3_arch_is_the_default(tmp_path):
+    a = make_checkpoint.make_target(str(tmp_path / "a"), seed=4)
+    b = make_checkpoint.make_target(str(tmp_path / "b"), seed=4, arch="qwen3", rope_scaling=None)
+    for name in sorted(os.listdir(a)):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    with pytest.raises(ValueError, match="arch"):
+        make_checkpoint.make_target(str(tmp_path / "c"), arch="mistral")
+
+
+# --- whole-generation oracles -----------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def _manual_greedy(target_dir, prompt, n):
+    model = oracle.load_target(target_dir)
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_target_greedy_is_uncut_by_config_eos(make_pair, arch):
+    """A config eos_token_id that the continuation emits neither stops nor alters target_greedy (transformers
+    would otherwise merge it into generate); stop_token_ids cut at and including the first stop."""
+    prompt = np.random.default_rng(5).integers(0, 511, 9).tolist()
+    plain, _ = make_pair(33, arch=arch)
+    want = _manual_greedy(plain, prompt, 25)
+    with_eos, _ = make_pair(33, arch=arch, eos_token_id=want[3])
+    with open(os.path.join(with_eos, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == want[3]
+    assert oracle.target_greedy(with_eos, prompt, 25) == want
+    assert oracle.target_greedy(plain, prompt, 25, stop_token_ids=[want[3], 100000]) == want[:want.index(want[3]) + 1]
+    got, margins = oracle.target_greedy(plain, prompt, 25, with_margins=True)
+    assert got == want and len(margins) == 25 and min(margins) > 0
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_reference_dflash_generate_details(make_pair, block_size):
+    target_dir, draft_dir = make_pair(34, block_size=6, tie_word_embeddings=True)
+    prompt = np.random.default_rng(6).integers(0, 511, 17).tolist()
+    ids, lengths, details = oracle.reference_dflash_generate(draft_dir, target_dir, prompt, 23, block_size=block_size,
+                                                             with_details=True)
+    assert ids == oracle.target_greedy(target_dir, prompt, 23)
+    assert sum(lengths) == len(ids) - 1 and len(details["drafts"]) == len(lengths)
+    width = block_size or 6
+    for drafts, n in zip(details["drafts"], lengths):
+        assert 1 <= len(drafts) <= width - 1 and n <= len(drafts) + 1
+    # The recorded drafts are what the target verified: the accepted ones are the output.
+    start = 0
+    for drafts, n in zip(details["drafts"], lengths):
+        assert ids[start + 1:start + n] == drafts[:n - 1]
+        start += n
+    stop = [ids[5]]
+    cut, _ = oracle.reference_dflash_generate(draft_dir, target_dir, prompt, 23, block_size=block_size,
+                                              stop_token_ids=stop)
+    assert cut == ids[:ids.index(stop[0]) + 1]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Deterministic random HF checkpoints for tests: a Qwen3 target and a DFlash drafter.
+"""Deterministic random HF checkpoints for tests: a Qwen3 or Llama target and a DFlash drafter.
 
 Only numpy and the standard library, so it runs where torch is absent (CI, the device machine). The safetensors
 files are written by hand, which also lets BF16 go out without ml_dtypes.
@@ -127,14 +127,53 @@ def _write_config(out_dir, config):
         json.dump(config, f, indent=2)
 
 
+_TARGET_ARCHS = ("qwen3", "llama")
+
+
 def make_target(out_dir, *, vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                 head_dim=32, intermediate_size=128, tie_word_embeddings=False, rope_theta=10000.0,
                 rms_norm_eps=1e-6, max_position_embeddings=4096, seed=0, dtype="bfloat16", shards=1,
-                eos_token_id=None):
-    """Write a random Qwen3ForCausalLM checkpoint to out_dir; returns out_dir."""
+                eos_token_id=None, arch="qwen3", rope_scaling=None):
+    """Write a random Qwen3ForCausalLM (arch "qwen3") or LlamaForCausalLM (arch "llama": no q_norm/k_norm)
+    checkpoint to out_dir; returns out_dir.
+
+    rope_scaling: the legacy root dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}; None = plain RoPE.
+    """
     if dtype not in _ST_DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_ST_DTYPES)}")
+    if arch not in _TARGET_ARCHS:
+        raise ValueError(f"arch {arch!r} not in {list(_TARGET_ARCHS)}")
     os.makedirs(out_dir, exist_ok=True)
+    if arch == "llama":
+        _write_config(out_dir, {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "pretraining_tp": 1,
+            "max_position_embeddings": max_position_embeddings,
+            "rms_norm_eps": rms_norm_eps,
+            "rope_theta": rope_theta,
+            "rope_scaling": dict(rope_scaling) if rope_scaling else None,
+            "tie_word_embeddings": tie_word_embeddings,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": None,
+            "eos_token_id": eos_token_id,
+            "dtype": dtype,
+        })
+        return _write_target_tensors(out_dir, arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                                     head_dim, intermediate_size, tie_word_embeddings, seed, dtype, shards)
     _write_config(out_dir, {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -151,7 +190,7 @@ def make_target(out_dir, *, vocab_size=512, hidden_size=64, num_layers=4, num_he
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": rms_norm_eps,
         "rope_theta": rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": dict(rope_scaling) if rope_scaling else None,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": num_layers,
@@ -162,13 +201,22 @@ def make_target(out_dir, *, vocab_size=512, hidden_size=64, num_layers=4, num_he
         "eos_token_id": eos_token_id,
         "dtype": dtype,
     })
+    return _write_target_tensors(out_dir, arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                                 head_dim, intermediate_size, tie_word_embeddings, seed, dtype, shards)
+
+
+def _write_target_tensors(out_dir, arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+                          intermediate_size, tie_word_embeddings, seed, dtype, shards):
     shapes = {"model.embed_tokens.weight": ((vocab_size, hidden_size), "embed"),
               "model.norm.weight": ((hidden_size,), "norm")}
     if not tie_word_embeddings:
         shapes["lm_head.weight"] = ((vocab_size, hidden_size), "linear")
     for i in range(num_layers):
-        shapes.update(_layer_shapes(f"model.layers.{i}.", hidden_size, num_heads, num_kv_heads, head_dim,
-                                    intermediate_size))
+        layer = _layer_shapes(f"model.layers.{i}.", hidden_size, num_heads, num_kv_heads, head_dim,
+                              intermediate_size)
+        if arch == "llama":  # Llama has no per-head q/k RMSNorm
+            layer = {name: v for name, v in layer.items() if not name.endswith(("q_norm.weight", "k_norm.weight"))}
+        shapes.update(layer)
     _save_tensors(out_dir, _draw(shapes, seed), dtype, shards)
     return out_dir
 
@@ -272,13 +320,16 @@ def main(argv=None):
         s.add_argument("--dtype", choices=sorted(_ST_DTYPES), default="bfloat16")
         s.add_argument("--shards", type=int, default=1)
 
-    t = sub.add_parser("target", help="random Qwen3ForCausalLM")
+    t = sub.add_parser("target", help="random Qwen3ForCausalLM or LlamaForCausalLM")
     common(t, 4, 0)
     t.add_argument("--vocab", type=int, default=512, dest="vocab_size")
     t.add_argument("--hidden", type=int, default=64, dest="hidden_size")
     t.add_argument("--tie", action="store_true", dest="tie_word_embeddings")
     t.add_argument("--max-positions", type=int, default=4096, dest="max_position_embeddings")
     t.add_argument("--eos", type=int, default=None, dest="eos_token_id")
+    t.add_argument("--arch", choices=list(_TARGET_ARCHS), default="qwen3")
+    t.add_argument("--rope-scaling", type=json.loads, default=None,
+                   help='JSON, e.g. {"rope_type":"llama3","factor":8.0,...}')
 
     d = sub.add_parser("drafter", help="random DFlashDraftModel for a target")
     common(d, 2, 1)

@@ -1,0 +1,276 @@
+"""Target and TargetSequence: Python handles over dflash_target / dflash_target_seq.
+
+The target is the model being accelerated (Qwen3 dense or Llama). Its sequences prefill a prompt, verify blocks
+of drafts (accepting, rejecting and choosing the bonus token inside the library: one small copy back per step),
+capture the hidden states a drafter needs straight into the drafter's sequence, and roll back rows. As for the
+drafter, the library owns every weight and KV byte; a target and its sequences must be used by one thread at a
+time.
+"""
+
+import numpy as np
+
+from . import _ffi
+from .checkpoint import CheckpointError, load_tensors
+from .config import TargetConfig
+from .devices import stream_handle
+from .drafter import _new_struct, _struct_dict
+from .sampling import sampling_pointer
+
+# Stored tensors transformers itself skips when loading (buffers of old checkpoints), never weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"F32": "DFLASH_DTYPE_F32", "F16": "DFLASH_DTYPE_F16", "BF16": "DFLASH_DTYPE_BF16"}
+
+
+def backend_code(lib, backend):
+    """'host' / 'cuda' -> the dflash_backend value, or a ValueError."""
+    codes = {"host": lib.lib.DFLASH_BACKEND_HOST, "cuda": lib.lib.DFLASH_BACKEND_CUDA}
+    code = codes.get(str(backend).lower())
+    if code is None:
+        raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
+    return code
+
+
+def token_buffer(ffi, token_ids, what="token_ids"):
+    """(int32_t[] cdata, count) from a list/tuple/1-D integer array. Only representability is checked here; the
+    library checks ids against the vocabulary and says which one is out of range."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise TypeError(f"{what} must be a 1-D integer array, got {token_ids.dtype} {list(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    elif isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"{what} must be a list of ints, got {type(token_ids).__name__}")
+    try:
+        return ffi.new("int32_t[]", [int(t) if isinstance(t, np.integer) else t for t in token_ids]), len(token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not -2**31 <= int(t) < 2**31)
+        raise ValueError(f"{what}: token id {bad} does not fit int32") from None
+    except TypeError:
+        bad = next(t for t in token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
+        raise TypeError(f"{what} must hold ints, got {type(bad).__name__} {bad!r}") from None
+
+
+class TargetSequence:
+    """One sequence's target state: a paged causal KV cache in the target's pool. Made by Target.new_sequence."""
+
+    def __init__(self, target, handle):
+        self._target, self._handle = target, handle
+        ffi = target._lib.ffi
+        self._accepted = ffi.new("int32_t *")
+        self._next = ffi.new("int32_t *")
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _live(self):
+        if self._handle is None:
+            raise ValueError("target sequence is closed" + (" (its target was closed)" if self._target.closed else ""))
+        return self._handle
+
+    @staticmethod
+    def _drafter_handle(drafter_seq, what):
+        if drafter_seq is None:
+            return None
+        live = getattr(drafter_seq, "_live", None)
+        if live is None or not hasattr(drafter_seq, "_drafter"):
+            raise TypeError(f"{what} must be a pydflash drafter Sequence (Drafter.new_sequence), got "
+                            f"{type(drafter_seq).__name__}")
+        return live()
+
+    def prefill(self, token_ids, sampling=None, capture=None) -> int:
+        """Append prompt tokens (positions length, length+1, ...) and return the next token, chosen from the last
+        row with `sampling` (None: greedy). It is not appended: it anchors the next verify. With capture (a drafter
+        Sequence whose next position is this sequence's length), the rows' hidden states after the drafter's
+        target_layer_ids become its context rows, without leaving the device."""
+        lib = self._target._lib
+        tokens, n = token_buffer(lib.ffi, token_ids)
+        capture_handle = self._drafter_handle(capture, "capture")
+        lib.check(lib.lib.dflash_target_seq_prefill(self._live(), tokens, n, sampling_pointer(lib, sampling),
+                                                    capture_handle or lib.ffi.NULL, self._next))
+        return self._next[0]
+
+    def verify(self, token_ids, sampling=None, drafter_seq=None) -> tuple:
+        """Verify [anchor, *drafts] in one forward; returns (accepted, next_token). The anchor and the accepted
+        drafts stay in the KV cache, the rest are rolled back; next_token is the target's own token after them (the
+        bonus), the anchor of the next block. Greedy: longest prefix equal to the target's argmax. Sampling:
+        rejection sampling against the proposal of `drafter_seq` (the Sequence that proposed these drafts; its
+        after_verify(k) then commits the first k+1 rows' features), else a one-hot proposal."""
+        lib = self._target._lib
+        tokens, n = token_buffer(lib.ffi, token_ids)
+        handle = self._drafter_handle(drafter_seq, "drafter_seq")
+        lib.check(lib.lib.dflash_target_seq_verify(self._live(), tokens, n, sampling_pointer(lib, sampling),
+                                                   handle or lib.ffi.NULL, self._accepted, self._next))
+        return self._accepted[0], self._next[0]
+
+    def rollback(self, n_rows):
+        """Drop the newest n_rows tokens from the KV cache (a stop token inside an accepted block, a retry)."""
+        lib = self._target._lib
+        lib.check(lib.lib.dflash_target_seq_rollback(self._live(), n_rows))
+
+    def info(self) -> dict:
+        """{budget_tokens, length (tokens in the KV cache), blocks_held, steps}."""
+        lib = self._target._lib
+        out = _new_struct(lib.ffi, "dflash_target_seq_stats")
+        lib.check(lib.lib.dflash_target_seq_info(self._live(), out))
+        return _struct_dict(lib.ffi, out)
+
+    def reset(self):
+        """Return every KV block and restart at position 0, keeping the handle and budget."""
+        lib = self._target._lib
+        lib.check(lib.lib.dflash_target_seq_reset(self._live()))
+
+    def close(self):
+        """Free the sequence and its KV blocks. A no-op when already closed (or its target was)."""
+        if self._handle is None:
+            return
+        handle, self._handle = self._handle, None
+        self._target._sequences.discard(self)
+        self._target._lib.check(self._target._lib.lib.dflash_target_seq_free(handle))
+
+    def _invalidate(self):  # the target destroyed us along with itself
+        self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<pydflash.TargetSequence {'closed' if self.closed else 'open'}>"
+
+
+class Target:
+    """A Qwen3 / Llama target model on one backend. Create with Target.from_pretrained; free with close() / `with`.
+
+    Drafters made with Drafter.from_pretrained(draft_dir, target=this) share its context, embed_tokens and
+    lm_head; they keep the shared weights alive if the target is closed first.
+    """
+
+    def __init__(self, lib, context, handle, config, path, backend, device, sizing):
+        self._lib, self._context, self._handle = lib, context, handle
+        self._sequences = set()
+        self.config, self.path, self.backend, self.device = config, path, backend, device
+        self.max_batch, self.max_seq_len, self.max_verify_rows, self.prefill_chunk = sizing
+
+    @classmethod
+    def from_pretrained(cls, target_dir, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
+                        max_verify_rows=16, prefill_chunk=256, stream=None) -> "Target":
+        """Load a Qwen3ForCausalLM / LlamaForCausalLM checkpoint (HF layout: config.json + model.safetensors or
+        sharded with an index). `max_seq_len` bounds one sequence (prompt + output); `max_verify_rows` the widest
+        block a verify takes; `stream` a CUDA stream to enqueue on (None: the library makes one)."""
+        lib = _ffi.load()
+        ffi, c = lib.ffi, lib.lib
+        code = backend_code(lib, backend)
+        config = TargetConfig.from_json(target_dir)
+        tensors = _gather_tensors(target_dir, config)
+        params = config.to_params(ffi, c, max_batch=max_batch, max_seq_len=max_seq_len,
+                                  max_verify_rows=max_verify_rows, prefill_chunk=prefill_chunk)
+        context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
+        context_params.backend, context_params.device = code, device
+        context_params.stream = stream_handle(stream)
+
+        context = handle = None
+        try:
+            out = ffi.new("dflash_context **")
+            lib.check(c.dflash_context_create(context_params, out))
+            context = out[0]
+            out = ffi.new("dflash_target **")
+            lib.check(c.dflash_target_create(context, params, out))
+            handle = out[0]
+            for name in sorted(tensors):
+                t = tensors[name]
+                lib.check(c.dflash_target_set_tensor(handle, name.encode(), getattr(c, _DTYPES[t.dtype]),
+                                                     len(t.shape), ffi.new("int64_t[]", list(t.shape)),
+                                                     ffi.from_buffer(t.array.view(np.uint8))))
+            lib.check(c.dflash_target_finalize(handle))
+        except BaseException:
+            # Statuses ignored: the original error is the one to report, and both calls accept NULL.
+            c.dflash_target_destroy(handle or ffi.NULL)
+            c.dflash_context_destroy(context or ffi.NULL)
+            raise
+        return cls(lib, context, handle, config, str(target_dir), str(backend).lower(), device,
+                   (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def _live(self):
+        if self._handle is None:
+            raise ValueError("target is closed")
+        return self._handle
+
+    def new_sequence(self, budget_tokens=None) -> TargetSequence:
+        """A sequence for positions [0, budget_tokens) (None: max_seq_len). KV blocks are taken as it grows."""
+        out = self._lib.ffi.new("dflash_target_seq **")
+        self._lib.check(self._lib.lib.dflash_target_seq_alloc(self._live(), budget_tokens or 0, out))
+        seq = TargetSequence(self, out[0])
+        self._sequences.add(seq)
+        return seq
+
+    def pool_stats(self) -> dict:
+        """{total_blocks, free_blocks, block_size, blocks_per_sequence, live_sequences} of the KV pool."""
+        out = _new_struct(self._lib.ffi, "dflash_pool_stats")
+        self._lib.check(self._lib.lib.dflash_target_pool_stats(self._live(), out))
+        return _struct_dict(self._lib.ffi, out)
+
+    def close(self):
+        """Destroy the target (and with it every sequence still open), then its context. Idempotent."""
+        if self._handle is None:
+            return
+        for seq in self._sequences:
+            seq._invalidate()
+        self._sequences.clear()
+        handle, context, self._handle, self._context = self._handle, self._context, None, None
+        try:
+            self._lib.check(self._lib.lib.dflash_target_destroy(handle))
+        finally:
+            self._lib.check(self._lib.lib.dflash_context_destroy(context))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # Last resort only (close() is the contract); never raise from a finalizer, even at interpreter exit.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.backend}:{self.device}"
+        c = self.config
+        return f"<pydflash.Target {state} {c.arch} layers={c.num_layers} hidden={c.hidden_size} vocab={c.vocab_size}>"
+
+
+def _gather_tensors(target_dir, config):
+    """{canonical name: Tensor} for exactly config.tensor_shapes(), or ONE CheckpointError listing every missing,
+    unexpected and misshaped tensor."""
+    expected = config.tensor_shapes()
+    tensors, problems = {}, []
+    for name, tensor in load_tensors(target_dir).items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        canonical = name[len("model."):] if name.startswith("model.") else name
+        if config.tie_word_embeddings and canonical == "lm_head.weight":
+            continue  # transformers ties the head to embed_tokens and ignores a stored copy
+        if canonical in tensors:
+            problems.append(f"{name} duplicates {tensors[canonical].name}")
+        tensors[canonical] = tensor
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected in {target_dir}: {', '.join(unexpected)}")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        problems.append(f"missing from {target_dir}: {', '.join(missing)}")
+    misshaped = [f"{n} {list(tensors[n].shape)} (expected {list(expected[n])})"
+                 for n in sorted(expected) if n in tensors and tensors[n].shape != tuple(expected[n])]
+    if misshaped:
+        problems.append("misshaped: " + ", ".join(misshaped))
+    if problems:
+        raise CheckpointError(f"target checkpoint does not match its config ({config.arch}): " + "; ".join(problems))
+    return {name: tensors[name] for name in expected}

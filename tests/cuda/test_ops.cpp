@@ -1,0 +1,1649 @@
+// test_ops.cpp: every op of the cuda backend against the host backend, on random inputs.
+//
+// In the spirit of llama.cpp's test-backend-ops and FlashInfer's kernel tests: both backends run
+// each op on the same random inputs (awkward sizes, strided rows, a partly full last KV block, a
+// wrapped ring), and the cuda result must match the host's within the tolerance of its dtype
+// (DESIGN §6). The inputs are chosen bf16-exact, so the host gets them in fp32 and the cuda
+// backend the very same numbers in bf16: the comparison measures kernel error, not input
+// rounding. Outputs are poisoned (0xFF bytes: NaN in bf16 and fp32, -1 in int32) before every
+// run, so an element the kernel forgot to write fails the NaN check, and the padding between
+// strided rows must still hold the poison afterwards.
+//
+// Compiled against the library's internal sources (not the C ABI): it needs the Backend
+// interface itself. One line per op group, "ALL OK" at the end, exit code = failed cases
+// (capped at 255). Exit code 77 (the automake "skip" code): no CUDA device.
+//
+//   test_ops [--seed N] [--smoke | --quick | --full] [--filter a,b] [--verbose]
+//            [--self-test [--inject-fault OP]]
+//
+// --smoke: a few small cases per op (seconds); --quick: small and medium sizes (meant for
+// compute-sanitizer); default: every size listed in the issue; --full: the whole attention
+// product (nq x GQA x head_dim x keys x mask x wrap). A failure prints the case, its seed, and
+// the command that reruns it. --self-test checks the harness itself on a machine without a GPU
+// (see EmulatedBf16Backend). The seed also comes from $DFLASH_TEST_SEED.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "common.hpp"
+#include "philox.hpp"
+
+namespace {
+
+using namespace dflash;
+
+// ----------------------------------------------------------------------------------------------
+// Options, tolerances
+// ----------------------------------------------------------------------------------------------
+
+enum Level { SMOKE = 0, QUICK = 1, DEFAULT = 2, FULL = 3 };
+
+struct Options {
+    uint64_t seed = 0;
+    Level level = DEFAULT;
+    std::vector<std::string> filters;
+    bool verbose = false;
+    bool self_test = false;   // C = a bf16 emulation on the CPU (checks the harness, no GPU)
+    std::string fault;        // --inject-fault OP: the emulation gets one element of OP wrong
+};
+
+Options g_opt;
+
+// The two backends under comparison.
+Backend *H = nullptr;  // host: the reference
+Backend *C = nullptr;  // cuda (or its --self-test emulation): under test
+
+// ‖got − ref‖ / ‖ref‖ bounds, keyed by the dtype of the cuda result (DESIGN §6). Every element
+// must also satisfy |got − ref| <= kElemFactor * tol * (|ref| + rms(ref)), so a single wrong
+// element in a large output cannot hide inside the norm.
+constexpr double kTolBf16 = 2e-2;       // bf16 result vs fp32 host
+constexpr double kTolF32FromBf16 = 5e-3;// fp32 result (logits) from bf16 operands, fp32 accumulation
+constexpr double kTolF32 = 1e-4;        // fp32 in, fp32 out (sampling probabilities)
+constexpr double kElemFactor = 5.0;
+
+// ----------------------------------------------------------------------------------------------
+// Random numbers and bf16
+// ----------------------------------------------------------------------------------------------
+
+uint16_t bf16_bits_rne(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return uint16_t(bits >> 16);
+}
+
+float round_bf16(float f) { return bf16_to_float(bf16_bits_rne(f)); }
+
+uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: case seeds from (run seed, group, index)
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+uint64_t hash_str(const std::string &s) {
+    uint64_t h = 1469598103934665603ull;
+    for (char c : s) h = (h ^ uint8_t(c)) * 1099511628211ull;
+    return h;
+}
+
+struct Rng {
+    std::mt19937_64 gen;
+    explicit Rng(uint64_t seed) : gen(seed) {}
+
+    float normal(float sd = 1.f) { return std::normal_distribution<float>(0.f, sd)(gen); }
+    float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(gen); }
+    int64_t index(int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(gen); }
+    uint64_t bits() { return gen(); }
+
+    // n normal values, each exactly representable in bf16. Bulk data (weights of up to ~1e8
+    // elements) comes from Box-Muller over a splitmix64 stream: ~10x faster than
+    // std::normal_distribution, and the statistics do not matter here.
+    std::vector<float> bf16_normal(size_t n, float sd = 1.f) {
+        std::vector<float> v(n);
+        uint64_t state = gen();
+        const float two_pi = 6.28318530718f;
+        for (size_t i = 0; i < n; i += 2) {
+            const uint64_t bits = mix64(state += 0x9E3779B97F4A7C15ull);
+            const float u1 = (float(uint32_t(bits) >> 8) + 1.f) * (1.f / 16777216.f);  // (0, 1]
+            const float u2 = float(uint32_t(bits >> 32) >> 8) * (1.f / 16777216.f);
+            const float r = sd * std::sqrt(-2.f * std::log(u1));
+            v[i] = round_bf16(r * std::cos(two_pi * u2));
+            if (i + 1 < n) v[i + 1] = round_bf16(r * std::sin(two_pi * u2));
+        }
+        return v;
+    }
+};
+
+// ----------------------------------------------------------------------------------------------
+// Backend memory helpers (all data movement through Backend::upload / download)
+// ----------------------------------------------------------------------------------------------
+
+bool is_cuda(const Backend &b) { return b.kind() == DFLASH_BACKEND_CUDA; }
+
+size_t act_size(const Backend &b) { return dtype_size(b.act_dtype()); }
+
+std::vector<uint8_t> encode(dflash_dtype dtype, const std::vector<float> &v) {
+    std::vector<uint8_t> raw(v.size() * dtype_size(dtype));
+    if (dtype == DFLASH_DTYPE_F32) {
+        std::memcpy(raw.data(), v.data(), raw.size());
+    } else if (dtype == DFLASH_DTYPE_BF16) {
+        for (size_t i = 0; i < v.size(); ++i) {
+            const uint16_t h = bf16_bits_rne(v[i]);
+            std::memcpy(raw.data() + 2 * i, &h, 2);
+        }
+    } else {
+        fail(DFLASH_STATUS_INTERNAL, "test: cannot encode ", dtype_name(dtype));
+    }
+    return raw;
+}
+
+DeviceBuffer upload_bytes(Backend &b, const void *data, size_t bytes) {
+    DeviceBuffer buf(&b, bytes);
+    b.upload(buf.get(), data, bytes);
+    return buf;
+}
+
+template <typename T>
+DeviceBuffer upload_vec(Backend &b, const std::vector<T> &v) {
+    return upload_bytes(b, v.data(), v.size() * sizeof(T));
+}
+
+// Activations: fp32 values -> the backend's activation dtype.
+DeviceBuffer upload_act(Backend &b, const std::vector<float> &v) {
+    const std::vector<uint8_t> raw = encode(b.act_dtype(), v);
+    return upload_bytes(b, raw.data(), raw.size());
+}
+
+DeviceBuffer poisoned(Backend &b, size_t bytes) {
+    const std::vector<uint8_t> ff(bytes, 0xFF);
+    return upload_bytes(b, ff.data(), bytes);
+}
+
+std::vector<uint8_t> download_bytes(Backend &b, const void *p, size_t bytes) {
+    std::vector<uint8_t> raw(bytes);
+    b.download(raw.data(), p, bytes);
+    return raw;
+}
+
+template <typename T>
+std::vector<T> download_vec(Backend &b, const void *p, size_t n) {
+    std::vector<T> v(n);
+    b.download(v.data(), p, n * sizeof(T));
+    return v;
+}
+
+std::vector<float> decode(dflash_dtype dtype, const std::vector<uint8_t> &raw) {
+    std::vector<float> v(raw.size() / dtype_size(dtype));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = load_as_float(raw.data(), dtype, int64_t(i));
+    return v;
+}
+
+std::vector<float> download_act(Backend &b, const void *p, size_t n) {
+    return decode(b.act_dtype(), download_bytes(b, p, n * act_size(b)));
+}
+
+// True if element i of a buffer of elements of `elem` bytes still holds the 0xFF poison.
+bool still_poisoned(const std::vector<uint8_t> &raw, size_t elem, size_t i) {
+    for (size_t k = 0; k < elem; ++k)
+        if (raw[i * elem + k] != 0xFF) return false;
+    return true;
+}
+
+// A weight matrix in the dtype this backend stores weights in (host: fp32; cuda: bf16, as its
+// WeightStore converts them on upload); the values are bf16-exact, so both hold the same numbers.
+struct Weight {
+    DeviceBuffer buf;
+    WeightView view;
+};
+
+Weight upload_weight(Backend &b, const std::vector<float> &w, int64_t rows, int64_t cols) {
+    Weight out;
+    const dflash_dtype dtype = b.weight_dtype(DFLASH_DTYPE_F32);
+    const std::vector<uint8_t> raw = encode(dtype, w);
+    out.buf = upload_bytes(b, raw.data(), raw.size());
+    out.view.data = out.buf.get();
+    out.view.dtype = dtype;
+    out.view.rows = rows;
+    out.view.cols = cols;
+    return out;
+}
+
+// After every cuda op: wait, and surface launch errors that the op itself did not report.
+void sync(Backend &b) {
+    b.synchronize();
+    if (is_cuda(b)) {
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess)
+            fail(DFLASH_STATUS_CUDA_ERROR, "CUDA error after the op: ", cudaGetErrorName(err), " (",
+                 cudaGetErrorString(err), ")");
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Comparison
+// ----------------------------------------------------------------------------------------------
+
+struct Diff {
+    double rel = 0;        // ‖got − ref‖ / ‖ref‖
+    double elem = 0;       // max |got − ref| / (|ref| + rms(ref))
+    int64_t worst = -1;    // index of that element
+    int64_t nonfinite = 0; // NaN/Inf in got (unwritten elements show up here)
+    int64_t first_nonfinite = -1;
+};
+
+Diff diff(const std::vector<float> &got, const std::vector<float> &ref) {
+    Diff d;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) den += double(ref[i]) * ref[i];
+    const double rms = std::sqrt(den / double(std::max<size_t>(ref.size(), 1)));
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (!std::isfinite(got[i])) {
+            if (d.nonfinite++ == 0) d.first_nonfinite = int64_t(i);
+            continue;
+        }
+        const double e = double(got[i]) - ref[i];
+        num += e * e;
+        const double scaled = std::fabs(e) / (std::fabs(double(ref[i])) + rms + 1e-30);
+        if (scaled > d.elem) {
+            d.elem = scaled;
+            d.worst = int64_t(i);
+        }
+    }
+    d.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    return d;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Groups and cases
+// ----------------------------------------------------------------------------------------------
+
+struct Totals {
+    int cases = 0, failed = 0, boundary = 0;
+    std::vector<std::string> failed_groups;
+};
+Totals g_totals;
+
+// A failed check inside a case: carries its message out of the case body.
+struct CheckFailed {
+    std::string what;
+};
+
+class Case {
+public:
+    Case(std::string desc, uint64_t seed) : desc_(std::move(desc)), seed_(seed), rng(seed) {}
+
+    // Values: cuda (got) vs host (ref), under `tol`.
+    void close(const char *what, const std::vector<float> &got, const std::vector<float> &ref,
+               double tol) {
+        if (got.size() != ref.size())
+            problem(cat(what, ": size ", got.size(), " != ", ref.size()));
+        for (size_t i = 0; i < ref.size(); ++i)
+            if (!std::isfinite(ref[i])) {
+                problem(cat(what, ": host reference is not finite at ", i, " (test bug)"));
+                return;
+            }
+        const Diff d = diff(got, ref);
+        worst_ = std::max(worst_, d.rel);
+        tol_ = std::max(tol_, tol);
+        if (d.nonfinite)
+            problem(cat(what, ": ", d.nonfinite, " NaN/Inf element(s), first at ", d.first_nonfinite,
+                        " (unwritten, or computed NaN); host there = ", ref[size_t(d.first_nonfinite)]));
+        else if (d.rel > tol || d.elem > kElemFactor * tol)
+            problem(cat(what, ": rel err ", d.rel, " (tol ", tol, "), worst element ", d.worst,
+                        ": cuda ", got[size_t(d.worst)], " host ", ref[size_t(d.worst)]));
+    }
+
+    template <typename T>
+    void equal(const char *what, const std::vector<T> &got, const std::vector<T> &ref) {
+        int64_t bad = 0, first = -1;
+        for (size_t i = 0; i < ref.size(); ++i)
+            if (!(got[i] == ref[i]) && bad++ == 0) first = int64_t(i);
+        if (bad)
+            problem(cat(what, ": ", bad, " of ", ref.size(), " element(s) differ, first at ", first,
+                        ": cuda ", +got[size_t(first)], " host ", +ref[size_t(first)]));
+    }
+
+    void check(bool ok, const std::string &message) {
+        if (!ok) problem(message);
+    }
+
+    void boundary() { ++boundary_; }
+    void problem(const std::string &message) { problems_.push_back(message); }
+
+    const std::string &desc() const { return desc_; }
+    uint64_t seed() const { return seed_; }
+    double worst() const { return worst_; }
+    double tol() const { return tol_; }
+    int boundaries() const { return boundary_; }
+    const std::vector<std::string> &problems() const { return problems_; }
+
+private:
+    std::string desc_;
+    uint64_t seed_;
+    double worst_ = 0, tol_ = 0;
+    int boundary_ = 0;
+    std::vector<std::string> problems_;
+
+public:
+    Rng rng;
+};
+
+bool cuda_context_lost() {
+    // A sticky error (illegal address, launch failure) poisons the context: every later call
+    // fails the same way. A transient one is cleared by the first read.
+    (void)cudaGetLastError();
+    if (cudaDeviceSynchronize() == cudaSuccess) return false;
+    (void)cudaGetLastError();
+    return cudaDeviceSynchronize() != cudaSuccess;
+}
+
+class Group {
+public:
+    explicit Group(std::string name)
+        : name_(std::move(name)), start_(std::chrono::steady_clock::now()) {}
+
+    bool enabled() const {
+        if (g_opt.filters.empty()) return true;
+        for (const auto &f : g_opt.filters)
+            if (name_.find(f) != std::string::npos) return true;
+        return false;
+    }
+
+    // Runs one case: body(case) prepares inputs, runs host and cuda, and checks.
+    void run(const std::string &desc, const std::function<void(Case &)> &body) {
+        const uint64_t seed = mix64(g_opt.seed ^ mix64(hash_str(name_) + uint64_t(index_++)));
+        Case c(desc, seed);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            body(c);
+        } catch (const Error &e) {
+            c.problem(cat("threw ", dflash_status_string(e.status()), ": ", e.what()));
+        } catch (const std::exception &e) {
+            c.problem(cat("threw: ", e.what()));
+        }
+        ++cases_;
+        worst_ = std::max(worst_, c.worst());
+        tol_ = std::max(tol_, c.tol());
+        boundary_ += c.boundaries();
+        if (!c.problems().empty()) {
+            ++failed_;
+            if (failed_ <= 5 || g_opt.verbose) {
+                std::printf("  FAIL %s [%s] case seed 0x%016" PRIx64 "\n", name_.c_str(),
+                            desc.c_str(), seed);
+                for (size_t i = 0; i < c.problems().size() && i < 4; ++i)
+                    std::printf("       %s\n", c.problems()[i].c_str());
+            }
+            if (is_cuda(*C) && cuda_context_lost()) {
+                std::printf("FATAL: the CUDA context is lost (sticky error) after %s [%s]; "
+                            "stopping. Rerun: test_ops --seed %" PRIu64 " --filter %s\n",
+                            name_.c_str(), desc.c_str(), g_opt.seed, name_.c_str());
+                finish();
+                std::printf("FAILED: %d of %d case(s)\n", g_totals.failed, g_totals.cases);
+                std::fflush(stdout);
+                std::exit(std::min(std::max(g_totals.failed, 1), 255));
+            }
+        } else if (g_opt.verbose) {
+            std::printf("  ok   %s [%s] rel %.2e%s  %.3f s\n", name_.c_str(), desc.c_str(), c.worst(),
+                        c.boundaries() ? " (near-boundary case accepted)" : "",
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        std::fflush(stdout);
+    }
+
+    void finish() {
+        if (finished_) return;
+        finished_ = true;
+        const double secs =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+        std::string err = tol_ > 0 ? cat("worst rel ", fmt(worst_), " / tol ", fmt(tol_)) : "exact";
+        std::printf("%s %-16s %4d case(s)%s  %s%s  %.2f s\n", failed_ ? "FAIL" : "PASS",
+                    name_.c_str(), cases_, failed_ ? cat(", ", failed_, " FAILED").c_str() : "",
+                    err.c_str(), boundary_ ? cat(", ", boundary_, " near-boundary").c_str() : "",
+                    secs);
+        std::fflush(stdout);
+        g_totals.cases += cases_;
+        g_totals.failed += failed_;
+        g_totals.boundary += boundary_;
+        if (failed_) g_totals.failed_groups.push_back(name_);
+    }
+
+    ~Group() { finish(); }
+
+private:
+    static std::string fmt(double v) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.2e", v);
+        return buf;
+    }
+
+    std::string name_;
+    std::chrono::steady_clock::time_point start_;
+    int index_ = 0, cases_ = 0, failed_ = 0, boundary_ = 0;
+    double worst_ = 0, tol_ = 0;
+    bool finished_ = false;
+};
+
+// ----------------------------------------------------------------------------------------------
+// --self-test: a bf16 emulation of the cuda backend on the CPU
+// ----------------------------------------------------------------------------------------------
+//
+// The host ops with bf16 activations and weights: inputs are widened to fp32, the host op runs,
+// results are rounded to bf16 (NaN bit patterns kept, so poison stays poison). It lets the harness
+// itself be checked without a GPU: `test_ops --self-test` must print ALL OK, and
+// `--self-test --inject-fault OP` (one wrong element in OP's output) must fail exactly OP.
+class EmulatedBf16Backend final : public Backend {
+public:
+    EmulatedBf16Backend(std::shared_ptr<Backend> host, std::string fault)
+        : h_(std::move(host)), fault_(std::move(fault)) {}
+
+    dflash_backend kind() const override { return DFLASH_BACKEND_HOST; }
+    dflash_dtype act_dtype() const override { return DFLASH_DTYPE_BF16; }
+    dflash_dtype weight_dtype(dflash_dtype) const override { return DFLASH_DTYPE_BF16; }
+    void *alloc(size_t bytes) override { return h_->alloc(bytes); }
+    void release(void *ptr) noexcept override { h_->release(ptr); }
+    void upload(void *dst, const void *src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+    void download(void *dst, const void *src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+    void copy(void *dst, const void *src, size_t bytes) override { std::memmove(dst, src, bytes); }
+    void synchronize() override {}
+
+    void convert_rows(const void *src, dflash_dtype dt, bool, int64_t n, int64_t width,
+                      void *dst) override {
+        std::vector<float> y(static_cast<size_t>(n * width));
+        h_->convert_rows(src, dt, false, n, width, y.data());
+        put(dst, y, "convert_rows");
+    }
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out) override {
+        std::vector<float> y(static_cast<size_t>(n * table.cols));
+        h_->embed(tokens, n, table, scale, y.data());
+        put(out, y, "embed");
+    }
+    void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
+                  WeightView w, float eps, void *y, int64_t ld_y) override {
+        std::vector<float> xf = get(x, size_t((rows - 1) * ld_x + groups * dim));
+        std::vector<float> yf = x == y ? xf : get(y, size_t((rows - 1) * ld_y + groups * dim));
+        h_->rms_norm(xf.data(), rows, groups, dim, ld_x, w, eps, yf.data(), ld_y);
+        put(y, yf, "rms_norm");
+    }
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
+        std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
+        std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
+        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy);
+        put(y, yf, "gemm");
+    }
+    void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+              const int32_t *positions, const float *inv_freq, float factor) override {
+        std::vector<float> xf = get(x, size_t((rows - 1) * ld + heads * head_dim));
+        h_->rope(xf.data(), rows, heads, head_dim, ld, positions, inv_freq, factor);
+        put(x, xf, "rope");
+    }
+    void kv_write(const void *k, const void *v, int64_t rows, int64_t ld, const int32_t *slots,
+                  int64_t kv_width, void *k_cache, void *v_cache) override {
+        for (int64_t r = 0; r < rows; ++r) {  // a copy of bf16 rows
+            std::memcpy(static_cast<uint16_t *>(k_cache) + int64_t(slots[r]) * kv_width,
+                        static_cast<const uint16_t *>(k) + r * ld, size_t(kv_width) * 2);
+            std::memcpy(static_cast<uint16_t *>(v_cache) + int64_t(slots[r]) * kv_width,
+                        static_cast<const uint16_t *>(v) + r * ld, size_t(kv_width) * 2);
+        }
+        if (fault_ == "kv_write") static_cast<uint16_t *>(k_cache)[int64_t(slots[rows - 1]) * kv_width] ^= 0x80;
+    }
+    void attention(const void *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+                   int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
+                   const PagedKeys &keys, void *out) override {
+        int64_t blocks = 0;
+        for (int64_t b = 0; b < keys.ring_slots / keys.block_size; ++b)
+            blocks = std::max<int64_t>(blocks, keys.block_table[b] + 1);
+        const size_t cache = size_t(blocks * keys.block_size * n_kv_heads * head_dim);
+        std::vector<float> kf = get(keys.k_cache, cache), vf = get(keys.v_cache, cache);
+        PagedKeys fk = keys;
+        fk.k_cache = kf.data();
+        fk.v_cache = vf.data();
+        std::vector<float> qf = get(q, size_t(nq * n_heads * head_dim)), y(qf.size());
+        h_->attention(qf.data(), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask, fk,
+                      y.data());
+        put(out, y, "attention");
+    }
+    void add(void *y, const void *x, int64_t n) override {
+        std::vector<float> yf = get(y, size_t(n)), xf = get(x, size_t(n));
+        h_->add(yf.data(), xf.data(), n);
+        put(y, yf, "add");
+    }
+    void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) override {
+        std::vector<float> g = get(gate_up, size_t(rows * 2 * inter)), y(size_t(rows * inter));
+        h_->swiglu(g.data(), rows, inter, y.data());
+        put(out, y, "swiglu");
+    }
+    void logits_argmax(const void *hs, int64_t m, WeightView lm_head, float multiplier,
+                       float softcap, int32_t *tokens) override {
+        std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
+        h_->logits_argmax(hf.data(), m, lm_head, multiplier, softcap, tokens);
+        if (fault_ == "logits_argmax") tokens[m - 1] = int32_t((tokens[m - 1] + 1) % lm_head.rows);
+    }
+    void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
+                   int64_t ld_dst) override {
+        for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(static_cast<uint16_t *>(dst) + r * ld_dst,
+                        static_cast<const uint16_t *>(src) + r * ld_src, size_t(width) * 2);
+        if (fault_ == "copy_rows") static_cast<uint16_t *>(dst)[(rows - 1) * ld_dst + width - 1] ^= 0x80;
+    }
+    void logits(const void *hs, int64_t m, WeightView lm_head, float multiplier, float softcap,
+                float *out) override {
+        std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
+        h_->logits(hf.data(), m, lm_head, multiplier, softcap, out);
+        if (fault_ == "logits") out[m * lm_head.rows - 1] += 1.f;
+    }
+    void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
+                        int32_t top_k) override {
+        h_->sampling_probs(rows, m, vocab, temperature, top_p, top_k);
+        if (fault_ == "sampling_probs") {  // move mass between the two likeliest tokens of the last row
+            float *row = rows + (m - 1) * vocab;
+            const int64_t a = std::max_element(row, row + vocab) - row;
+            const int64_t b = a == 0 ? 1 : 0;
+            row[b] += 0.25f * row[a];
+            row[a] *= 0.75f;
+        }
+    }
+    void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key, uint32_t first_row,
+                     uint32_t purpose, int32_t *out) override {
+        h_->sample_rows(probs, m, vocab, key, first_row, purpose, out);
+        if (fault_ == "sample_rows") {  // the next token with nonzero probability: a wrong draw
+            const float *row = probs + (m - 1) * vocab;
+            int32_t t = out[m - 1];
+            do t = int32_t((t + 1) % vocab); while (!(row[t] > 0.f) && t != out[m - 1]);
+            out[m - 1] = t;
+        }
+    }
+    void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n,
+                       int32_t *out) override {
+        h_->greedy_accept(tokens, posterior, n, out);
+        if (fault_ == "greedy_accept") out[1] += 1;
+    }
+    void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
+                          int64_t vocab, RngKey key, int32_t *out) override {
+        h_->rejection_accept(p, tokens, q, n, vocab, key, out);
+        if (fault_ == "rejection_accept") out[0] = out[0] + 1 < n ? out[0] + 1 : out[0] - 1 + (n == 1);
+    }
+
+private:
+    static std::vector<float> get(const void *p, size_t n) {
+        std::vector<float> v(n);
+        for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(static_cast<const uint16_t *>(p)[i]);
+        return v;
+    }
+    // Rounds to bf16; a NaN keeps its upper bits, so 0xFFFF poison survives the round trip.
+    void put(void *p, std::vector<float> &v, const char *op) const {
+        if (fault_ == op) v[v.size() - 1] = v[v.size() - 1] * 1.5f + 1.f;
+        for (size_t i = 0; i < v.size(); ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, &v[i], 4);
+            static_cast<uint16_t *>(p)[i] = std::isnan(v[i]) ? uint16_t(bits >> 16) : bf16_bits_rne(v[i]);
+        }
+    }
+
+    std::shared_ptr<Backend> h_;
+    std::string fault_;
+};
+
+// ----------------------------------------------------------------------------------------------
+// convert_rows
+// ----------------------------------------------------------------------------------------------
+
+void test_convert_rows() {
+    Group g("convert_rows");
+    if (!g.enabled()) return;
+    std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 64}, {17, 296}, {97, 4096}};
+    if (g_opt.level == SMOKE) shapes = {{17, 296}};
+    for (dflash_dtype dt : {DFLASH_DTYPE_F32, DFLASH_DTYPE_F16, DFLASH_DTYPE_BF16})
+        for (bool on_device : {false, true})
+            for (auto [n, width] : shapes)
+                g.run(cat(dtype_name(dt), on_device ? " device" : " host", " n=", n, " width=", width),
+                      [&, n = n, width = width](Case &c) {
+                          const size_t count = size_t(n * width);
+                          std::vector<uint8_t> src(count * dtype_size(dt));
+                          for (size_t i = 0; i < count; ++i) {
+                              if (dt == DFLASH_DTYPE_F32) {
+                                  const float f = c.rng.normal(3.f);  // not bf16-exact: tests rounding
+                                  std::memcpy(src.data() + 4 * i, &f, 4);
+                              } else if (dt == DFLASH_DTYPE_F16) {  // normal halves in ~[2^-4, 2^5)
+                                  const uint16_t h = uint16_t((c.rng.bits() & 1) << 15 |
+                                                              (11 + c.rng.index(10)) << 10 |
+                                                              c.rng.index(1024));
+                                  std::memcpy(src.data() + 2 * i, &h, 2);
+                              } else {
+                                  const uint16_t h = bf16_bits_rne(c.rng.normal(3.f));
+                                  std::memcpy(src.data() + 2 * i, &h, 2);
+                              }
+                          }
+                          DeviceBuffer out_h = poisoned(*H, count * act_size(*H));
+                          H->convert_rows(src.data(), dt, false, n, width, out_h.get());
+                          DeviceBuffer out_c = poisoned(*C, count * act_size(*C));
+                          DeviceBuffer src_c;
+                          if (on_device) src_c = upload_bytes(*C, src.data(), src.size());
+                          C->convert_rows(on_device ? src_c.get() : src.data(), dt, on_device, n,
+                                          width, out_c.get());
+                          sync(*C);
+                          const std::vector<float> ref = download_act(*H, out_h.get(), count);
+                          const std::vector<float> got = download_act(*C, out_c.get(), count);
+                          c.close("out", got, ref, kTolBf16);
+                          // The conversion itself is exact: round-to-nearest-even of the source.
+                          std::vector<float> rne(count);
+                          for (size_t i = 0; i < count; ++i) rne[i] = round_bf16(ref[i]);
+                          if (c.problems().empty()) c.equal("out vs RNE(src)", got, rne);
+                      });
+}
+
+// ----------------------------------------------------------------------------------------------
+// embed
+// ----------------------------------------------------------------------------------------------
+
+void test_embed() {
+    Group g("embed");
+    if (!g.enabled()) return;
+    struct Shape { int64_t n, vocab, hidden; float scale; };
+    std::vector<Shape> shapes = {{1, 1000, 64, 1.f}, {17, 1000, 1024, 0.125f},
+                                 {97, 5000, 4096, 8.f}, {16, 1000, 1024, std::sqrt(1024.f) * 0.7f}};
+    if (g_opt.level == SMOKE) shapes = {{17, 1000, 1024, 0.125f}};
+    for (const Shape &s : shapes)
+        g.run(cat("n=", s.n, " vocab=", s.vocab, " H=", s.hidden, " scale=", s.scale), [&](Case &c) {
+            const std::vector<float> table = c.rng.bf16_normal(size_t(s.vocab * s.hidden));
+            std::vector<int32_t> tokens(size_t(s.n));
+            for (auto &t : tokens) t = int32_t(c.rng.index(s.vocab));
+            tokens[0] = int32_t(s.vocab - 1);
+            if (s.n > 1) tokens[1] = 0;
+            Weight w_h = upload_weight(*H, table, s.vocab, s.hidden);
+            Weight w_c = upload_weight(*C, table, s.vocab, s.hidden);
+            DeviceBuffer tok_h = upload_vec(*H, tokens), tok_c = upload_vec(*C, tokens);
+            const size_t count = size_t(s.n * s.hidden);
+            DeviceBuffer out_h = poisoned(*H, count * act_size(*H));
+            DeviceBuffer out_c = poisoned(*C, count * act_size(*C));
+            H->embed(tok_h.as<int32_t>(), s.n, w_h.view, s.scale, out_h.get());
+            C->embed(tok_c.as<int32_t>(), s.n, w_c.view, s.scale, out_c.get());
+            sync(*C);
+            c.close("out", download_act(*C, out_c.get(), count), download_act(*H, out_h.get(), count),
+                    kTolBf16);
+        });
+}
+
+// ----------------------------------------------------------------------------------------------
+// rms_norm
+// ----------------------------------------------------------------------------------------------
+
+void test_rms_norm() {
+    Group g("rms_norm");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, groups, dim, pad_x, pad_y; bool in_place; };
+    std::vector<Shape> shapes = {
+        {1, 1, 64, 0, 0, false},     {17, 1, 1024, 0, 0, false},   {97, 1, 4096, 64, 8, false},
+        {7, 32, 128, 2048, 0, true},  // q_norm inside a fused qkv row
+        {17, 8, 128, 1024, 1024, true}, {97, 4, 64, 256, 0, false}, {16, 2, 1024, 0, 0, false},
+        {2, 2, 64, 0, 0, true}};
+    if (g_opt.level == SMOKE) shapes = {{17, 8, 128, 1024, 1024, true}, {17, 1, 1024, 0, 0, false}};
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " groups=", s.groups, " dim=", s.dim, " ld_x=+", s.pad_x,
+                  s.in_place ? " in-place" : cat(" ld_y=+", s.pad_y)),
+              [&](Case &c) {
+                  const int64_t width = s.groups * s.dim;
+                  const int64_t ld_x = width + s.pad_x;
+                  const int64_t ld_y = s.in_place ? ld_x : width + s.pad_y;
+                  const std::vector<float> x = c.rng.bf16_normal(size_t(s.rows * ld_x), 2.f);
+                  std::vector<float> w(size_t(s.dim));
+                  for (auto &v : w) v = round_bf16(1.f + c.rng.normal(0.2f));
+                  Weight w_h = upload_weight(*H, w, 1, s.dim), w_c = upload_weight(*C, w, 1, s.dim);
+                  DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                  DeviceBuffer y_h, y_c;
+                  if (!s.in_place) {
+                      y_h = poisoned(*H, size_t(s.rows * ld_y) * act_size(*H));
+                      y_c = poisoned(*C, size_t(s.rows * ld_y) * act_size(*C));
+                  }
+                  void *yh = s.in_place ? x_h.get() : y_h.get();
+                  void *yc = s.in_place ? x_c.get() : y_c.get();
+                  H->rms_norm(x_h.get(), s.rows, s.groups, s.dim, ld_x, w_h.view, 1e-6f, yh, ld_y);
+                  C->rms_norm(x_c.get(), s.rows, s.groups, s.dim, ld_x, w_c.view, 1e-6f, yc, ld_y);
+                  sync(*C);
+                  const size_t total = size_t(s.rows * ld_y);
+                  const std::vector<uint8_t> raw_c = download_bytes(*C, yc, total * act_size(*C));
+                  const std::vector<float> all_h = download_act(*H, yh, total);
+                  const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
+                  std::vector<float> got, ref;
+                  int64_t pad_changed = 0;
+                  for (int64_t r = 0; r < s.rows; ++r)
+                      for (int64_t col = 0; col < ld_y; ++col) {
+                          const size_t i = size_t(r * ld_y + col);
+                          if (col < width) {
+                              got.push_back(all_c[i]);
+                              ref.push_back(all_h[i]);
+                          } else if (s.in_place ? all_c[i] != x[i]
+                                                : !still_poisoned(raw_c, act_size(*C), i)) {
+                              ++pad_changed;
+                          }
+                      }
+                  c.close("y", got, ref, kTolBf16);
+                  c.check(pad_changed == 0, cat(pad_changed, " element(s) between rows (ld padding) were"
+                                                " written"));
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
+// gemm
+// ----------------------------------------------------------------------------------------------
+
+void test_gemm() {
+    Group g("gemm");
+    if (!g.enabled()) return;
+    std::vector<int64_t> ms = {1, 2, 7, 16, 17, 97};
+    struct NK { int64_t n, k; };
+    std::vector<NK> nks = {{1, 64}, {17, 64}, {300, 136}, {1000, 512}, {2056, 1024}, {64, 4096}};
+    if (g_opt.level == QUICK) {
+        ms = {1, 7, 17};
+        nks = {{1, 64}, {17, 64}, {300, 136}};
+    }
+    if (g_opt.level == SMOKE) {
+        ms = {1, 17};
+        nks = {{17, 64}, {300, 136}};
+    }
+    int idx = 0;
+    auto one = [&](int64_t m, int64_t n, int64_t k, int64_t pad_x, int64_t pad_y, int64_t slice_first) {
+        g.run(cat("M=", m, " N=", n, " K=", k, pad_x ? cat(" ldx=+", pad_x) : "",
+                  pad_y ? cat(" ldy=+", pad_y) : "", slice_first ? cat(" rows from ", slice_first) : ""),
+              [&](Case &c) {
+                  const int64_t ldx = k + pad_x, ldy = n + pad_y, w_rows = n + slice_first + 3;
+                  const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
+                  const std::vector<float> w =
+                      c.rng.bf16_normal(size_t(w_rows * k), 1.f / std::sqrt(float(k)));
+                  Weight w_h = upload_weight(*H, w, w_rows, k), w_c = upload_weight(*C, w, w_rows, k);
+                  const WeightView v_h = w_h.view.slice_rows(slice_first, n);
+                  const WeightView v_c = w_c.view.slice_rows(slice_first, n);
+                  DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                  const size_t total = size_t(m * ldy);
+                  DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
+                  DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
+                  H->gemm(x_h.get(), m, ldx, v_h, y_h.get(), ldy);
+                  C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy);
+                  sync(*C);
+                  const std::vector<uint8_t> raw_c = download_bytes(*C, y_c.get(), total * act_size(*C));
+                  const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
+                  const std::vector<float> all_h = download_act(*H, y_h.get(), total);
+                  std::vector<float> got, ref;
+                  int64_t pad_changed = 0;
+                  for (int64_t r = 0; r < m; ++r)
+                      for (int64_t col = 0; col < ldy; ++col) {
+                          const size_t i = size_t(r * ldy + col);
+                          if (col < n) {
+                              got.push_back(all_c[i]);
+                              ref.push_back(all_h[i]);
+                          } else if (!still_poisoned(raw_c, act_size(*C), i)) {
+                              ++pad_changed;
+                          }
+                      }
+                  c.close("y", got, ref, kTolBf16);
+                  c.check(pad_changed == 0, cat(pad_changed, " padding element(s) written"));
+              });
+    };
+    for (int64_t m : ms)
+        for (const NK &nk : nks) {
+            const int64_t pad_x = (idx % 3 == 1) ? 8 : 0;
+            const int64_t pad_y = (idx % 4 == 2) ? 8 : 0;
+            const int64_t slice_first = (idx % 5 == 3) ? 5 : 0;
+            ++idx;
+            one(m, nk.n, nk.k, pad_x, pad_y, slice_first);
+        }
+    if (g_opt.level >= DEFAULT) {  // prefill-sized M
+        one(300, 512, 512, 0, 0, 0);
+        one(257, 300, 1024, 64, 8, 2);
+        one(1000, 136, 256, 0, 0, 0);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// rope
+// ----------------------------------------------------------------------------------------------
+
+void test_rope() {
+    Group g("rope");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, heads, head_dim, pad; float factor, theta; int32_t max_pos; };
+    std::vector<Shape> shapes = {
+        {1, 1, 64, 0, 1.f, 10000.f, 100},         {17, 8, 128, 2 * 2 * 128, 1.f, 1e6f, 4096},
+        {97, 4, 64, 64, 1.2f, 10000.f, 40000},    {7, 32, 128, 0, 0.8f, 1e6f, 32768},
+        {16, 2, 64, 2 * 64, 1.f, 500000.f, 131072}, {33, 8, 128, 8 * 128, 1.0986f, 1e6f, 200000}};
+    if (g_opt.level == SMOKE) shapes = {{17, 8, 128, 2 * 2 * 128, 1.f, 1e6f, 4096},
+                                        {97, 4, 64, 64, 1.2f, 10000.f, 40000}};
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " heads=", s.heads, " head_dim=", s.head_dim, " ld=+", s.pad,
+                  " attention_factor=", s.factor, " max_pos=", s.max_pos),
+              [&](Case &c) {
+                  const int64_t ld = s.heads * s.head_dim + s.pad, half = s.head_dim / 2;
+                  const std::vector<float> x = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
+                  std::vector<int32_t> pos(size_t(s.rows));
+                  for (auto &p : pos) p = int32_t(c.rng.index(s.max_pos));
+                  pos[0] = 0;
+                  std::vector<float> inv_freq(static_cast<size_t>(half));
+                  for (int64_t i = 0; i < half; ++i) {
+                      inv_freq[size_t(i)] = 1.f / std::pow(s.theta, float(2 * i) / float(s.head_dim));
+                      if (s.factor != 1.f && i >= half / 2) inv_freq[size_t(i)] /= 8.f;  // a YaRN-like ramp
+                  }
+                  DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                  DeviceBuffer p_h = upload_vec(*H, pos), p_c = upload_vec(*C, pos);
+                  DeviceBuffer f_h = upload_vec(*H, inv_freq), f_c = upload_vec(*C, inv_freq);
+                  H->rope(x_h.get(), s.rows, s.heads, s.head_dim, ld, p_h.as<int32_t>(),
+                          f_h.as<float>(), s.factor);
+                  C->rope(x_c.get(), s.rows, s.heads, s.head_dim, ld, p_c.as<int32_t>(),
+                          f_c.as<float>(), s.factor);
+                  sync(*C);
+                  const size_t total = size_t(s.rows * ld);
+                  const std::vector<float> all_h = download_act(*H, x_h.get(), total);
+                  const std::vector<float> all_c = download_act(*C, x_c.get(), total);
+                  std::vector<float> got, ref;
+                  int64_t pad_changed = 0;
+                  for (int64_t r = 0; r < s.rows; ++r)
+                      for (int64_t col = 0; col < ld; ++col) {
+                          const size_t i = size_t(r * ld + col);
+                          if (col < s.heads * s.head_dim) {
+                              got.push_back(all_c[i]);
+                              ref.push_back(all_h[i]);
+                          } else if (all_c[i] != x[i]) {
+                              ++pad_changed;
+                          }
+                      }
+                  c.close("x", got, ref, kTolBf16);
+                  c.check(pad_changed == 0, cat(pad_changed, " element(s) outside the heads changed"));
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
+// kv_write
+// ----------------------------------------------------------------------------------------------
+
+void test_kv_write() {
+    Group g("kv_write");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, kv_width, q_width, num_blocks; };
+    // k and v sit inside a fused [q | k | v] row, as the engine writes them.
+    std::vector<Shape> shapes = {{1, 64, 0, 2},   {17, 1024, 4096, 4},
+                                 {97, 256, 1024, 9}, {16, 128, 0, 64}, {33, 512, 2048, 5}};
+    if (g_opt.level == SMOKE) shapes = {{17, 1024, 4096, 4}};
+    const int64_t bs = DFLASH_KV_BLOCK_SIZE;
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " kv_width=", s.kv_width, " ld=", s.q_width + 2 * s.kv_width,
+                  " blocks=", s.num_blocks),
+              [&](Case &c) {
+                  const int64_t ld = s.q_width + 2 * s.kv_width, slots_total = s.num_blocks * bs;
+                  const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.rows * ld));
+                  std::vector<int32_t> all_slots(static_cast<size_t>(slots_total));
+                  std::iota(all_slots.begin(), all_slots.end(), 0);
+                  std::shuffle(all_slots.begin(), all_slots.end(), c.rng.gen);
+                  std::vector<int32_t> slots(all_slots.begin(), all_slots.begin() + s.rows);
+                  DeviceBuffer in_h = upload_act(*H, qkv), in_c = upload_act(*C, qkv);
+                  DeviceBuffer sl_h = upload_vec(*H, slots), sl_c = upload_vec(*C, slots);
+                  const size_t cache = size_t(slots_total * s.kv_width);
+                  DeviceBuffer kc_h = poisoned(*H, cache * act_size(*H));
+                  DeviceBuffer vc_h = poisoned(*H, cache * act_size(*H));
+                  DeviceBuffer kc_c = poisoned(*C, cache * act_size(*C));
+                  DeviceBuffer vc_c = poisoned(*C, cache * act_size(*C));
+                  const char *base_h = static_cast<const char *>(in_h.get());
+                  const char *base_c = static_cast<const char *>(in_c.get());
+                  H->kv_write(base_h + s.q_width * act_size(*H),
+                              base_h + (s.q_width + s.kv_width) * act_size(*H), s.rows, ld,
+                              sl_h.as<int32_t>(), s.kv_width, kc_h.get(), vc_h.get());
+                  C->kv_write(base_c + s.q_width * act_size(*C),
+                              base_c + (s.q_width + s.kv_width) * act_size(*C), s.rows, ld,
+                              sl_c.as<int32_t>(), s.kv_width, kc_c.get(), vc_c.get());
+                  sync(*C);
+                  std::vector<bool> written(size_t(slots_total), false);
+                  for (int32_t sl : slots) written[size_t(sl)] = true;
+                  for (int which = 0; which < 2; ++which) {
+                      const DeviceBuffer &ch = which ? vc_h : kc_h;
+                      const DeviceBuffer &cc = which ? vc_c : kc_c;
+                      const std::vector<uint8_t> raw_c = download_bytes(*C, cc.get(), cache * act_size(*C));
+                      const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
+                      const std::vector<float> all_h = download_act(*H, ch.get(), cache);
+                      std::vector<float> got, ref;
+                      int64_t stray = 0;
+                      for (int64_t sl = 0; sl < slots_total; ++sl)
+                          for (int64_t e = 0; e < s.kv_width; ++e) {
+                              const size_t i = size_t(sl * s.kv_width + e);
+                              if (written[size_t(sl)]) {
+                                  got.push_back(all_c[i]);
+                                  ref.push_back(all_h[i]);
+                              } else if (!still_poisoned(raw_c, act_size(*C), i)) {
+                                  ++stray;
+                              }
+                          }
+                      c.equal(which ? "v_cache" : "k_cache", got, ref);  // a copy: exact
+                      c.check(stray == 0, cat(which ? "v_cache: " : "k_cache: ", stray,
+                                              " element(s) of unlisted slots written"));
+                  }
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
+// attention
+// ----------------------------------------------------------------------------------------------
+
+enum MaskKind { MASK_NONE, MASK_CAUSAL, MASK_CAUSAL_WINDOW, MASK_WINDOW };
+const char *mask_name(MaskKind m) {
+    switch (m) {
+        case MASK_NONE: return "none";
+        case MASK_CAUSAL: return "causal";
+        case MASK_CAUSAL_WINDOW: return "causal+window";
+        case MASK_WINDOW: return "window";
+    }
+    return "?";
+}
+
+struct AttnShape {
+    int64_t nq, ratio, n_kv, head_dim, num_keys;
+    MaskKind mask;
+    bool wrap;  // first_key > 0 and the keys wrap around the ring
+};
+
+// Builds one paged cache on a backend: every slot the keys do not use holds NaN, so a kernel that
+// reads outside [first_key, first_key + num_keys) or past a partly full last block fails.
+struct PagedSetup {
+    std::vector<float> k, v;               // [num_blocks * bs, kv_width], NaN where unused
+    std::vector<int32_t> block_table;      // [ring_slots / bs]
+    std::vector<int32_t> slot_positions;   // [ring_slots]
+    std::vector<int32_t> q_positions;      // [nq]
+    int64_t ring_slots = 0, first_key = 0, num_blocks = 0;
+    AttentionMask mask;
+};
+
+PagedSetup make_paged(const AttnShape &s, Rng &rng) {
+    const int64_t bs = DFLASH_KV_BLOCK_SIZE, kv_width = s.n_kv * s.head_dim;
+    PagedSetup p;
+    const int64_t ring_blocks = ceil_div(s.num_keys, bs) + (s.wrap ? 1 : 0);
+    p.ring_slots = ring_blocks * bs;
+    // Wrapped: the first visible key sits in the second half of the ring, so the keys run past
+    // its end and continue at ring slot 0; the partly full block is then in the middle.
+    const int64_t start = s.wrap ? p.ring_slots - std::max<int64_t>(1, s.num_keys / 2) : 0;
+    p.first_key = s.wrap ? 3 * p.ring_slots + start : 0;
+    p.num_blocks = ring_blocks + 3;  // spare physical blocks nobody references
+    std::vector<int32_t> phys(size_t(p.num_blocks));
+    std::iota(phys.begin(), phys.end(), 0);
+    std::shuffle(phys.begin(), phys.end(), rng.gen);
+    p.block_table.assign(phys.begin(), phys.begin() + ring_blocks);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    p.k.assign(size_t(p.num_blocks * bs * kv_width), nan);
+    p.v.assign(p.k.size(), nan);
+    p.slot_positions.assign(size_t(p.ring_slots), -1000000);  // stale stamps outside the keys
+    const int32_t pos0 = int32_t(p.first_key + 5);             // position = logical index + 5
+    for (int64_t j = 0; j < s.num_keys; ++j) {
+        const int64_t ring = (p.first_key + j) % p.ring_slots;
+        const int64_t slot = int64_t(p.block_table[size_t(ring / bs)]) * bs + ring % bs;
+        for (int64_t e = 0; e < kv_width; ++e) {
+            p.k[size_t(slot * kv_width + e)] = round_bf16(rng.normal());
+            p.v[size_t(slot * kv_width + e)] = round_bf16(rng.normal());
+        }
+        p.slot_positions[size_t(ring)] = pos0 + int32_t(j);
+    }
+    // Queries: the positions of the newest nq keys (a verify block / a drafter noise block);
+    // with more queries than keys the extra ones repeat the newest position. Every query sees at
+    // least the key at its own position, so no row is fully masked.
+    for (int64_t i = 0; i < s.nq; ++i) {
+        const int64_t j = std::min(std::max<int64_t>(0, s.num_keys - s.nq + i), s.num_keys - 1);
+        p.q_positions.push_back(pos0 + int32_t(j));
+    }
+    const int32_t window = int32_t(std::max<int64_t>(2, std::min<int64_t>(s.num_keys / 3 + 1, 700)));
+    p.mask.causal = s.mask == MASK_CAUSAL || s.mask == MASK_CAUSAL_WINDOW;
+    p.mask.window = (s.mask == MASK_CAUSAL_WINDOW || s.mask == MASK_WINDOW) ? window : 0;
+    return p;
+}
+
+void run_attention_case(Group &g, const AttnShape &s) {
+    g.run(cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
+              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap" : ""),
+          [&](Case &c) {
+              const PagedSetup p = make_paged(s, c.rng);
+              const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
+              const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * q_width));
+              const float scale = 1.f / std::sqrt(float(s.head_dim));
+              const size_t out_count = size_t(s.nq * q_width);
+              std::vector<float> outs[2];
+              for (int b = 0; b < 2; ++b) {
+                  Backend &be = b ? *C : *H;
+                  DeviceBuffer kc = upload_act(be, p.k), vc = upload_act(be, p.v);
+                  DeviceBuffer table = upload_vec(be, p.block_table);
+                  DeviceBuffer spos = upload_vec(be, p.slot_positions);
+                  DeviceBuffer qpos = upload_vec(be, p.q_positions);
+                  DeviceBuffer qb = upload_act(be, q);
+                  DeviceBuffer out = poisoned(be, out_count * act_size(be));
+                  PagedKeys keys;
+                  keys.k_cache = kc.get();
+                  keys.v_cache = vc.get();
+                  keys.block_table = table.as<int32_t>();
+                  keys.slot_positions = spos.as<int32_t>();
+                  keys.block_size = DFLASH_KV_BLOCK_SIZE;
+                  keys.ring_slots = int32_t(p.ring_slots);
+                  keys.first_key = p.first_key;
+                  keys.num_keys = s.num_keys;
+                  be.attention(qb.get(), s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
+                               p.mask, keys, out.get());
+                  sync(be);
+                  outs[b] = download_act(be, out.get(), out_count);
+              }
+              c.close("out", outs[1], outs[0], kTolBf16);
+          });
+}
+
+void test_attention() {
+    Group g("attention");
+    if (!g.enabled()) return;
+    const int64_t nqs[] = {1, 7, 16, 33}, ratios[] = {1, 4, 8}, hds[] = {64, 128};
+    const MaskKind masks[] = {MASK_NONE, MASK_CAUSAL, MASK_CAUSAL_WINDOW, MASK_WINDOW};
+    std::vector<int64_t> keys = {1, 17, 97, 1000, 5000};
+    if (g_opt.level == QUICK) keys = {1, 17, 97, 300};
+    if (g_opt.level == SMOKE) {
+        run_attention_case(g, {16, 4, 2, 128, 97, MASK_NONE, true});
+        run_attention_case(g, {7, 1, 2, 64, 17, MASK_CAUSAL, false});
+        return;
+    }
+    if (g_opt.level == FULL) {
+        for (int64_t nk : keys)
+            for (MaskKind m : masks)
+                for (int64_t nq : nqs)
+                    for (int64_t r : ratios)
+                        for (int64_t hd : hds)
+                            for (bool wrap : {false, true})
+                                run_attention_case(g, {nq, r, 2, hd, nk, m, wrap});
+        return;
+    }
+    // A covering walk: every (keys, mask, head_dim) triple once, with nq, GQA ratio and wrap
+    // cycling at co-prime strides so each value meets each other value several times.
+    int idx = 0;
+    for (int64_t nk : keys)
+        for (MaskKind m : masks)
+            for (int64_t hd : hds) {
+                const AttnShape s{nqs[(idx + idx / 8) % 4], ratios[idx % 3], 2, hd, nk, m,
+                                  (idx / 2 + idx / 3) % 2 == 1};
+                ++idx;
+                run_attention_case(g, s);
+            }
+    if (g_opt.level >= DEFAULT) {  // Qwen3-8B-like head layout: 32 query heads over 8 KV heads
+        run_attention_case(g, {16, 4, 8, 128, 1000, MASK_NONE, true});
+        run_attention_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false});
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// add, swiglu, copy_rows
+// ----------------------------------------------------------------------------------------------
+
+void test_add() {
+    Group g("add");
+    if (!g.enabled()) return;
+    std::vector<int64_t> ns = {1, 17, 136, 97 * 1024, 16 * 4096 + 8};
+    if (g_opt.level == SMOKE) ns = {17, 4096};
+    for (int64_t n : ns)
+        g.run(cat("n=", n), [&](Case &c) {
+            const std::vector<float> y = c.rng.bf16_normal(size_t(n)), x = c.rng.bf16_normal(size_t(n));
+            DeviceBuffer y_h = upload_act(*H, y), y_c = upload_act(*C, y);
+            DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+            H->add(y_h.get(), x_h.get(), n);
+            C->add(y_c.get(), x_c.get(), n);
+            sync(*C);
+            c.close("y", download_act(*C, y_c.get(), size_t(n)), download_act(*H, y_h.get(), size_t(n)),
+                    kTolBf16);
+        });
+}
+
+void test_swiglu() {
+    Group g("swiglu");
+    if (!g.enabled()) return;
+    std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 64}, {17, 136}, {97, 3072}, {16, 12288}};
+    if (g_opt.level == SMOKE) shapes = {{17, 136}};
+    for (auto [rows, inter] : shapes)
+        g.run(cat("rows=", rows, " inter=", inter), [&, rows = rows, inter = inter](Case &c) {
+            const std::vector<float> gu = c.rng.bf16_normal(size_t(rows * 2 * inter), 2.f);
+            DeviceBuffer in_h = upload_act(*H, gu), in_c = upload_act(*C, gu);
+            const size_t count = size_t(rows * inter);
+            DeviceBuffer out_h = poisoned(*H, count * act_size(*H));
+            DeviceBuffer out_c = poisoned(*C, count * act_size(*C));
+            H->swiglu(in_h.get(), rows, inter, out_h.get());
+            C->swiglu(in_c.get(), rows, inter, out_c.get());
+            sync(*C);
+            c.close("out", download_act(*C, out_c.get(), count), download_act(*H, out_h.get(), count),
+                    kTolBf16);
+        });
+}
+
+void test_copy_rows() {
+    Group g("copy_rows");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, width, ld_src, ld_dst; };
+    std::vector<Shape> shapes = {{1, 64, 64, 64}, {17, 1024, 1088, 1024}, {97, 128, 384, 256},
+                                 {16, 4096, 4096, 8192}};
+    if (g_opt.level == SMOKE) shapes = {{97, 128, 384, 256}};
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " width=", s.width, " ld_src=", s.ld_src, " ld_dst=", s.ld_dst),
+              [&](Case &c) {
+                  const std::vector<float> src = c.rng.bf16_normal(size_t(s.rows * s.ld_src));
+                  DeviceBuffer s_h = upload_act(*H, src), s_c = upload_act(*C, src);
+                  const size_t total = size_t(s.rows * s.ld_dst);
+                  DeviceBuffer d_h = poisoned(*H, total * act_size(*H));
+                  DeviceBuffer d_c = poisoned(*C, total * act_size(*C));
+                  H->copy_rows(s_h.get(), s.ld_src, s.rows, s.width, d_h.get(), s.ld_dst);
+                  C->copy_rows(s_c.get(), s.ld_src, s.rows, s.width, d_c.get(), s.ld_dst);
+                  sync(*C);
+                  const std::vector<uint8_t> raw_c = download_bytes(*C, d_c.get(), total * act_size(*C));
+                  const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
+                  const std::vector<float> all_h = download_act(*H, d_h.get(), total);
+                  std::vector<float> got, ref;
+                  int64_t stray = 0;
+                  for (int64_t r = 0; r < s.rows; ++r)
+                      for (int64_t col = 0; col < s.ld_dst; ++col) {
+                          const size_t i = size_t(r * s.ld_dst + col);
+                          if (col < s.width) {
+                              got.push_back(all_c[i]);
+                              ref.push_back(all_h[i]);
+                          } else if (!still_poisoned(raw_c, act_size(*C), i)) {
+                              ++stray;
+                          }
+                      }
+                  c.equal("dst", got, ref);
+                  c.check(stray == 0, cat(stray, " padding element(s) written"));
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
+// logits, logits_argmax
+// ----------------------------------------------------------------------------------------------
+
+struct LogitShape { int64_t m, vocab, hidden; float multiplier, softcap; };
+
+std::vector<LogitShape> logit_shapes() {
+    if (g_opt.level == SMOKE) return {{3, 1000, 256, 1.f, 0.f}, {2, 151936, 64, 0.7f, 30.f}};
+    std::vector<LogitShape> s = {{1, 1000, 64, 1.f, 0.f},      {2, 1000, 256, 0.7f, 0.f},
+                                 {7, 1000, 1024, 1.f, 30.f},   {16, 1000, 4096, 0.5f, 0.f},
+                                 {1, 151936, 256, 1.f, 0.f},   {5, 151936, 128, 1.f, 30.f}};
+    if (g_opt.level >= DEFAULT) {
+        s.push_back({16, 151936, 256, 0.8f, 0.f});
+        s.push_back({1, 8192, 4096, 1.f, 0.f});
+        s.push_back({9, 151937, 64, 1.f, 50.f});  // an odd vocab
+    }
+    return s;
+}
+
+struct LogitInputs {
+    std::vector<float> h, w;
+};
+
+LogitInputs make_logit_inputs(const LogitShape &s, Rng &rng) {
+    LogitInputs in;
+    in.h = rng.bf16_normal(size_t(s.m * s.hidden));
+    in.w = rng.bf16_normal(size_t(s.vocab * s.hidden), 3.f / std::sqrt(float(s.hidden)));
+    return in;
+}
+
+void test_logits() {
+    Group g("logits");
+    if (!g.enabled()) return;
+    for (const LogitShape &s : logit_shapes())
+        g.run(cat("M=", s.m, " vocab=", s.vocab, " H=", s.hidden, " mult=", s.multiplier,
+                  " softcap=", s.softcap),
+              [&](Case &c) {
+                  const LogitInputs in = make_logit_inputs(s, c.rng);
+                  const size_t count = size_t(s.m * s.vocab);
+                  std::vector<float> outs[2];
+                  for (int b = 0; b < 2; ++b) {
+                      Backend &be = b ? *C : *H;
+                      Weight w = upload_weight(be, in.w, s.vocab, s.hidden);
+                      DeviceBuffer h = upload_act(be, in.h);
+                      DeviceBuffer out = poisoned(be, count * 4);
+                      be.logits(h.get(), s.m, w.view, s.multiplier, s.softcap, out.as<float>());
+                      sync(be);
+                      outs[b] = download_vec<float>(be, out.get(), count);
+                  }
+                  c.close("logits", outs[1], outs[0], kTolF32FromBf16);
+              });
+}
+
+void test_logits_argmax() {
+    Group g("logits_argmax");
+    if (!g.enabled()) return;
+    for (const LogitShape &s : logit_shapes())
+        g.run(cat("M=", s.m, " vocab=", s.vocab, " H=", s.hidden, " mult=", s.multiplier,
+                  " softcap=", s.softcap),
+              [&](Case &c) {
+                  const LogitInputs in = make_logit_inputs(s, c.rng);
+                  // Host: full logits (for the margins) and its own argmax.
+                  Weight w_h = upload_weight(*H, in.w, s.vocab, s.hidden);
+                  DeviceBuffer h_h = upload_act(*H, in.h);
+                  std::vector<float> logits(size_t(s.m * s.vocab));
+                  H->logits(h_h.get(), s.m, w_h.view, s.multiplier, s.softcap, logits.data());
+                  DeviceBuffer t_h = poisoned(*H, size_t(s.m) * 4);
+                  H->logits_argmax(h_h.get(), s.m, w_h.view, s.multiplier, s.softcap, t_h.as<int32_t>());
+                  const std::vector<int32_t> ref = download_vec<int32_t>(*H, t_h.get(), size_t(s.m));
+                  Weight w_c = upload_weight(*C, in.w, s.vocab, s.hidden);
+                  DeviceBuffer h_c = upload_act(*C, in.h);
+                  DeviceBuffer t_c = poisoned(*C, size_t(s.m) * 4);
+                  C->logits_argmax(h_c.get(), s.m, w_c.view, s.multiplier, s.softcap, t_c.as<int32_t>());
+                  sync(*C);
+                  const std::vector<int32_t> got = download_vec<int32_t>(*C, t_c.get(), size_t(s.m));
+                  for (int64_t i = 0; i < s.m; ++i) {
+                      const float *row = logits.data() + i * s.vocab;
+                      const float best = row[ref[size_t(i)]];
+                      // bf16 has 8 significant bits: a token within 2^-8 relative of the best
+                      // may legitimately win on the GPU.
+                      const float err = 4e-3f * std::max(1.f, std::fabs(best));
+                      const int32_t t = got[size_t(i)];
+                      if (t == ref[size_t(i)]) continue;
+                      if (t < 0 || t >= s.vocab) {
+                          c.problem(cat("row ", i, ": token ", t, " out of range (unwritten?)"));
+                      } else if (row[t] >= best - err) {
+                          c.boundary();  // a near tie: the host's top-2 margin is below the error
+                      } else {
+                          c.problem(cat("row ", i, ": cuda token ", t, " (host logit ", row[t],
+                                        ") != host argmax ", ref[size_t(i)], " (", best, "), margin ",
+                                        best - row[t], " > error ", err));
+                      }
+                  }
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
+// sampling: sampling_probs, sample_rows, greedy_accept, rejection_accept
+// ----------------------------------------------------------------------------------------------
+
+// A row of logits: "flat" (all N(0, 1)) or "spiky" (N(0, 1) plus 40 tokens raised to 10..22,
+// well apart, so top-k and top-p cut between clearly separated probabilities).
+std::vector<float> logit_row(Rng &rng, int64_t vocab, bool spiky) {
+    std::vector<float> row(static_cast<size_t>(vocab));
+    for (auto &v : row) v = rng.normal();
+    if (spiky) {
+        const int64_t n = std::min<int64_t>(40, vocab);
+        for (int64_t j = 0; j < n; ++j) row[size_t(rng.index(vocab))] = 10.f + 0.3f * float(j) + rng.uniform(0.f, 0.1f);
+    }
+    return row;
+}
+
+// True if the host's top-p cut of this row is within `margin` of a boundary (a different but
+// equally right summation order could keep one token more or less).
+bool top_p_ambiguous(const std::vector<float> &logits, float temperature, float top_p, int32_t top_k,
+                     double margin) {
+    if (top_p >= 1.f) return false;
+    std::vector<float> s(logits);
+    for (auto &v : s) v /= temperature;
+    std::sort(s.begin(), s.end(), std::greater<float>());
+    const size_t kept = (top_k > 0 && size_t(top_k) < s.size()) ? size_t(top_k) : s.size();
+    double total = 0;
+    for (size_t r = 0; r < kept; ++r) total += std::exp(double(s[r]) - s[0]);
+    double cumulative = 0;
+    for (size_t r = 0; r < kept; ++r) {
+        if (std::fabs(cumulative - top_p) < margin) return true;
+        cumulative += std::exp(double(s[r]) - s[0]) / total;
+    }
+    return false;
+}
+
+struct ProbShape { int64_t m, vocab; float temperature, top_p; int32_t top_k; bool spiky; };
+
+std::vector<ProbShape> prob_shapes() {
+    if (g_opt.level == SMOKE) return {{4, 1000, 0.7f, 0.9f, 0, true}, {2, 151936, 1.f, 0.95f, 40, true}};
+    std::vector<ProbShape> s = {
+        {1, 1000, 1.f, 1.f, 0, false},      {4, 1000, 0.7f, 0.9f, 0, true},
+        {7, 1000, 1.f, 1.f, 20, true},      {16, 1000, 1.3f, 0.5f, 50, true},
+        {2, 1000, 1.f, 0.01f, 0, true},     {2, 151936, 1.f, 1.f, 0, false},
+        {3, 151936, 0.6f, 0.9f, 0, true},   {5, 151936, 1.f, 0.95f, 40, true},
+        {1, 151936, 1.f, 1.f, 1, true}};
+    if (g_opt.level >= DEFAULT) {
+        s.push_back({16, 151936, 0.8f, 0.8f, 100, true});
+        s.push_back({16, 151936, 1.f, 1.f, 0, true});
+        s.push_back({3, 1000, 1.f, 1.f, 1000, false});  // top_k == vocab: keep all
+    }
+    return s;
+}
+
+// m rows of logits whose top-p cut is clear of boundaries.
+std::vector<float> prob_inputs(const ProbShape &s, Rng &rng) {
+    std::vector<float> rows;
+    for (int64_t i = 0; i < s.m; ++i) {
+        std::vector<float> row;
+        for (int attempt = 0; attempt < 20; ++attempt) {
+            row = logit_row(rng, s.vocab, s.spiky);
+            if (!top_p_ambiguous(row, s.temperature, s.top_p, s.top_k, 1e-4)) break;
+        }
+        rows.insert(rows.end(), row.begin(), row.end());
+    }
+    return rows;
+}
+
+void test_sampling_probs() {
+    Group g("sampling_probs");
+    if (!g.enabled()) return;
+    for (const ProbShape &s : prob_shapes())
+        g.run(cat("M=", s.m, " vocab=", s.vocab, " T=", s.temperature, " top_p=", s.top_p,
+                  " top_k=", s.top_k, s.spiky ? " spiky" : " flat"),
+              [&](Case &c) {
+                  const std::vector<float> logits = prob_inputs(s, c.rng);
+                  std::vector<float> outs[2];
+                  for (int b = 0; b < 2; ++b) {
+                      Backend &be = b ? *C : *H;
+                      DeviceBuffer rows = upload_vec(be, logits);
+                      be.sampling_probs(rows.as<float>(), s.m, s.vocab, s.temperature, s.top_p, s.top_k);
+                      sync(be);
+                      outs[b] = download_vec<float>(be, rows.get(), logits.size());
+                  }
+                  c.close("probs", outs[1], outs[0], kTolF32);
+                  int64_t support = 0;
+                  for (size_t i = 0; i < logits.size(); ++i)
+                      support += (outs[0][i] > 0.f) != (outs[1][i] > 0.f);
+                  c.check(support == 0, cat(support, " token(s) kept by one backend and dropped by the other"));
+              });
+}
+
+// The tokens an inverse-CDF draw with uniform u may return from `probs`, allowing for a
+// different (fp32) summation order: those whose CDF interval, widened by `slack`, holds u*total.
+bool draw_consistent(const float *probs, int64_t vocab, float u, int32_t token, double slack) {
+    if (token < 0 || token >= vocab || !(probs[token] > 0.f)) return false;
+    double total = 0;
+    for (int64_t v = 0; v < vocab; ++v) total += probs[v];
+    double before = 0;
+    for (int64_t v = 0; v < token; ++v) before += probs[v];
+    const double target = double(u) * total, eps = slack * total;
+    return before - eps <= target && target < before + probs[token] + eps;
+}
+
+// Host draw (the reference's inverse CDF), used to build draft tokens.
+int32_t host_draw(const std::vector<float> &probs, size_t offset, int64_t vocab, Rng &rng) {
+    double total = 0;
+    for (int64_t v = 0; v < vocab; ++v) total += probs[offset + size_t(v)];
+    double target = rng.uniform(0.f, 1.f) * total, cumulative = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+        cumulative += probs[offset + size_t(v)];
+        if (cumulative > target && probs[offset + size_t(v)] > 0) return int32_t(v);
+    }
+    return int32_t(vocab - 1);
+}
+
+// Probabilities of m rows, computed by the host's sampling_probs.
+std::vector<float> host_probs(const ProbShape &s, Rng &rng) {
+    std::vector<float> rows = prob_inputs(s, rng);
+    H->sampling_probs(rows.data(), s.m, s.vocab, s.temperature, s.top_p, s.top_k);
+    return rows;
+}
+
+constexpr double kCdfSlack = 2e-5;  // fp32 prefix sums over up to ~150k terms
+
+void test_sample_rows() {
+    Group g("sample_rows");
+    if (!g.enabled()) return;
+    for (const ProbShape &s : prob_shapes())
+        for (int rep = 0; rep < (g_opt.level == SMOKE ? 1 : 3); ++rep)
+            g.run(cat("M=", s.m, " vocab=", s.vocab, " T=", s.temperature, " top_p=", s.top_p,
+                      " top_k=", s.top_k, s.spiky ? " spiky" : " flat", " rep ", rep),
+                  [&](Case &c) {
+                      const std::vector<float> probs = host_probs(s, c.rng);
+                      RngKey key{c.rng.bits(), c.rng.bits() & 0xFFFFFFFFFFull};
+                      const uint32_t first_row = uint32_t(c.rng.index(1000));
+                      const uint32_t purpose = rep % 2 ? RNG_SAMPLE : RNG_DRAFT;
+                      std::vector<int32_t> outs[2];
+                      for (int b = 0; b < 2; ++b) {
+                          Backend &be = b ? *C : *H;
+                          DeviceBuffer p = upload_vec(be, probs);
+                          DeviceBuffer out = poisoned(be, size_t(s.m) * 4);
+                          be.sample_rows(p.as<float>(), s.m, s.vocab, key, first_row, purpose,
+                                         out.as<int32_t>());
+                          sync(be);
+                          outs[b] = download_vec<int32_t>(be, out.get(), size_t(s.m));
+                      }
+                      for (int64_t i = 0; i < s.m; ++i) {
+                          const int32_t t = outs[1][size_t(i)], ref = outs[0][size_t(i)];
+                          if (t == ref) continue;
+                          const float u = rng_uniform(key, first_row + uint32_t(i), purpose);
+                          if (draw_consistent(probs.data() + i * s.vocab, s.vocab, u, t, kCdfSlack))
+                              c.boundary();
+                          else
+                              c.problem(cat("row ", i, ": cuda drew ", t, ", host ", ref, ", u=", u,
+                                            " and the CDF does not allow ", t));
+                      }
+                  });
+}
+
+void test_greedy_accept() {
+    Group g("greedy_accept");
+    if (!g.enabled()) return;
+    const int reps = g_opt.level == SMOKE ? 2 : 6;
+    for (int64_t n : {1, 2, 5, 16})
+        for (int rep = 0; rep < reps; ++rep)
+            g.run(cat("n=", n, " rep ", rep), [&](Case &c) {
+                const int64_t accept = c.rng.index(n);  // 0..n-1 drafts match
+                std::vector<int32_t> tokens(static_cast<size_t>(n)), posterior(static_cast<size_t>(n));
+                for (auto &p : posterior) p = int32_t(c.rng.index(151936));
+                tokens[0] = int32_t(c.rng.index(151936));
+                for (int64_t j = 1; j < n; ++j)
+                    tokens[size_t(j)] = j <= accept ? posterior[size_t(j - 1)]
+                                                    : int32_t(c.rng.index(151936));
+                if (accept + 1 < n) tokens[size_t(accept + 1)] = posterior[size_t(accept)] ^ 1;
+                std::vector<int32_t> outs[2];
+                for (int b = 0; b < 2; ++b) {
+                    Backend &be = b ? *C : *H;
+                    DeviceBuffer t = upload_vec(be, tokens), p = upload_vec(be, posterior);
+                    DeviceBuffer out = poisoned(be, 8);
+                    be.greedy_accept(t.as<int32_t>(), p.as<int32_t>(), n, out.as<int32_t>());
+                    sync(be);
+                    outs[b] = download_vec<int32_t>(be, out.get(), 2);
+                }
+                c.check(outs[0][0] == accept, cat("test bug: host accepted ", outs[0][0], " not ", accept));
+                c.equal("[accepted, next]", outs[1], outs[0]);
+            });
+}
+
+void test_rejection_accept() {
+    Group g("rejection_accept");
+    if (!g.enabled()) return;
+    struct Shape { int64_t n, vocab; bool with_q; };
+    std::vector<Shape> shapes = {{1, 1000, true},  {2, 1000, true},    {8, 1000, true},
+                                 {16, 1000, true}, {16, 1000, false},  {4, 1000, false},
+                                 {8, 151936, true}, {16, 151936, false}};
+    if (g_opt.level == SMOKE) shapes = {{8, 1000, true}, {16, 1000, false}};
+    const int reps = g_opt.level == SMOKE ? 1 : g_opt.level == QUICK ? 2 : 5;
+    for (const Shape &s : shapes)
+        for (int rep = 0; rep < reps; ++rep)
+            g.run(cat("n=", s.n, " vocab=", s.vocab, s.with_q ? " q" : " q=one-hot", " rep ", rep),
+                  [&](Case &c) {
+                      // p: the target's rows; q: the drafter's, correlated with p so that drafts
+                      // are accepted some of the time but not always.
+                      const ProbShape ps{s.n, s.vocab, 1.f, 1.f, 0, true};
+                      std::vector<float> logits = prob_inputs(ps, c.rng);
+                      std::vector<float> p(logits), q(logits);
+                      for (auto &v : q) v += c.rng.normal(1.5f);
+                      H->sampling_probs(p.data(), s.n, s.vocab, 1.f, 1.f, 0);
+                      H->sampling_probs(q.data(), s.n, s.vocab, 0.8f, 1.f, 0);
+                      q.resize(size_t((s.n - 1) * s.vocab));
+                      std::vector<int32_t> tokens(size_t(s.n));
+                      tokens[0] = int32_t(c.rng.index(s.vocab));
+                      for (int64_t j = 1; j < s.n; ++j)
+                          tokens[size_t(j)] = host_draw(s.with_q ? q : p, size_t((j - 1) * s.vocab),
+                                                        s.vocab, c.rng);
+                      const RngKey key{c.rng.bits(), c.rng.bits() & 0xFFFFFFFFull};
+                      std::vector<int32_t> outs[2];
+                      for (int b = 0; b < 2; ++b) {
+                          Backend &be = b ? *C : *H;
+                          DeviceBuffer pb = upload_vec(be, p), tb = upload_vec(be, tokens);
+                          DeviceBuffer qb;
+                          if (s.with_q && !q.empty()) qb = upload_vec(be, q);
+                          DeviceBuffer out = poisoned(be, 8);
+                          be.rejection_accept(pb.as<float>(), tb.as<int32_t>(),
+                                              s.with_q ? qb.as<float>() : nullptr, s.n, s.vocab, key,
+                                              out.as<int32_t>());
+                          sync(be);
+                          outs[b] = download_vec<int32_t>(be, out.get(), 2);
+                      }
+                      const int32_t acc = outs[1][0], acc_ref = outs[0][0];
+                      if (acc != acc_ref) {
+                          // Only a coin within rounding of its threshold may go the other way.
+                          const int32_t j = std::min(acc, acc_ref);
+                          if (acc < 0 || acc >= s.n) {
+                              c.problem(cat("accepted ", acc, " out of range [0, ", s.n, ")"));
+                              return;
+                          }
+                          const int32_t draft = tokens[size_t(j + 1)];
+                          const float pd = p[size_t(j * s.vocab + draft)];
+                          const float qd = s.with_q ? q[size_t(j * s.vocab + draft)] : 1.f;
+                          const float u = rng_uniform(key, uint32_t(j + 1), RNG_ACCEPT);
+                          if (std::fabs(double(u) * qd - pd) <= 1e-6 * std::max(pd, qd))
+                              c.boundary();
+                          else
+                              c.problem(cat("accepted ", acc, ", host ", acc_ref, " (coin of draft ",
+                                            j + 1, ": u*q=", double(u) * qd, " p=", pd, ")"));
+                          return;
+                      }
+                      const int32_t t = outs[1][1];
+                      if (t == outs[0][1]) return;
+                      // Same acceptance, different token: it must still be a valid draw from the
+                      // distribution the host drew from (the row, or the residual max(p - q, 0)).
+                      std::vector<float> dist(p.begin() + acc * s.vocab, p.begin() + (acc + 1) * s.vocab);
+                      if (acc + 1 < s.n) {
+                          double total = 0;
+                          std::vector<float> residual(dist);
+                          for (int64_t v = 0; v < s.vocab; ++v) {
+                              const float qv = s.with_q ? q[size_t(acc * s.vocab + v)]
+                                                        : (v == tokens[size_t(acc + 1)] ? 1.f : 0.f);
+                              residual[size_t(v)] = std::max(residual[size_t(v)] - qv, 0.f);
+                              total += residual[size_t(v)];
+                          }
+                          if (total > 0) dist = residual;
+                      }
+                      const float u = rng_uniform(key, uint32_t(acc), RNG_SAMPLE);
+                      if (draw_consistent(dist.data(), s.vocab, u, t, kCdfSlack))
+                          c.boundary();
+                      else
+                          c.problem(cat("next token ", t, ", host ", outs[0][1], " (accepted ", acc,
+                                        ", u=", u, "): not a draw the CDF allows"));
+                  });
+}
+
+// ----------------------------------------------------------------------------------------------
+
+void usage() {
+    std::printf("usage: test_ops [--seed N] [--smoke | --quick | --full] [--filter a,b] [--verbose]\n"
+                "                [--self-test [--inject-fault OP]]\n");
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    g_opt.seed = uint64_t(std::chrono::system_clock::now().time_since_epoch().count()) & 0xFFFFFFFFull;
+    if (const char *env = std::getenv("DFLASH_TEST_SEED")) g_opt.seed = std::strtoull(env, nullptr, 0);
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--seed" && i + 1 < argc) {
+            g_opt.seed = std::strtoull(argv[++i], nullptr, 0);
+        } else if (a == "--smoke") {
+            g_opt.level = SMOKE;
+        } else if (a == "--quick") {
+            g_opt.level = QUICK;
+        } else if (a == "--full") {
+            g_opt.level = FULL;
+        } else if (a == "--filter" && i + 1 < argc) {
+            std::string list = argv[++i];
+            size_t start = 0;
+            while (start <= list.size()) {
+                const size_t comma = list.find(',', start);
+                const std::string item = list.substr(start, comma == std::string::npos ? std::string::npos
+                                                                                        : comma - start);
+                if (!item.empty()) g_opt.filters.push_back(item);
+                if (comma == std::string::npos) break;
+                start = comma + 1;
+            }
+        } else if (a == "--self-test") {
+            g_opt.self_test = true;
+        } else if (a == "--inject-fault" && i + 1 < argc) {
+            g_opt.fault = argv[++i];
+        } else if (a == "--verbose" || a == "-v") {
+            g_opt.verbose = true;
+        } else if (a == "--help" || a == "-h") {
+            usage();
+            return 0;
+        } else {
+            usage();
+            return 2;
+        }
+    }
+    const char *level_names[] = {"smoke", "quick", "default", "full"};
+    std::printf("test_ops: cuda backend vs host backend, seed %" PRIu64 ", level %s\n", g_opt.seed,
+                level_names[g_opt.level]);
+
+    std::shared_ptr<Backend> host = make_host_backend(), cuda;
+    if (g_opt.self_test) {
+        cuda = std::make_shared<EmulatedBf16Backend>(host, g_opt.fault);
+        std::printf("self-test: the cuda backend is replaced by a bf16 emulation on the CPU%s\n",
+                    g_opt.fault.empty() ? "" : cat(", with a fault injected into ", g_opt.fault).c_str());
+    } else {
+        try {
+            cuda = make_cuda_backend(0, 0);
+        } catch (const Error &e) {
+            std::printf("SKIP: no usable CUDA device: %s: %s\n", dflash_status_string(e.status()),
+                        e.what());
+            return 77;
+        }
+        cudaDeviceProp prop{};
+        if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+            std::printf("device: %s (sm_%d%d), library built for %s\n", prop.name, prop.major,
+                        prop.minor, cuda_arch_list());
+        if (const char *missing = cuda->missing_ops())
+            std::printf("note: the cuda backend reports missing ops: %s\n", missing);
+    }
+    H = host.get();
+    C = cuda.get();
+    size_t free0 = 0, free1 = 0, total = 0;
+    if (!g_opt.self_test) cudaMemGetInfo(&free0, &total);
+    const auto start = std::chrono::steady_clock::now();
+
+    test_convert_rows();
+    test_embed();
+    test_rms_norm();
+    test_gemm();
+    test_rope();
+    test_kv_write();
+    test_attention();
+    test_add();
+    test_swiglu();
+    test_copy_rows();
+    test_logits();
+    test_logits_argmax();
+    test_sampling_probs();
+    test_sample_rows();
+    test_greedy_accept();
+    test_rejection_accept();
+
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!g_opt.self_test) {
+        cudaMemGetInfo(&free1, &total);
+        std::printf("device memory in use: %.1f MiB before the ops, %.1f MiB after (of %.0f MiB)\n",
+                    double(total - free0) / 1048576.0, double(total - free1) / 1048576.0,
+                    double(total) / 1048576.0);
+    }
+    std::printf("time: %.1f s\n", secs);
+    if (g_totals.cases == 0) {
+        std::printf("FAILED: no case matched the filter\n");
+        return 1;
+    }
+    if (g_totals.failed) {
+        std::string groups;
+        for (const auto &n : g_totals.failed_groups) groups += (groups.empty() ? "" : ",") + n;
+        std::printf("FAILED: %d of %d case(s) in %s. Rerun: test_ops --seed %" PRIu64 " --filter %s%s\n",
+                    g_totals.failed, g_totals.cases, groups.c_str(), g_opt.seed, groups.c_str(),
+                    g_opt.level == SMOKE ? " --smoke" : g_opt.level == QUICK ? " --quick"
+                                                      : g_opt.level == FULL ? " --full" : "");
+        return std::min(g_totals.failed, 255);
+    }
+    std::printf("ALL OK (%d cases%s)\n", g_totals.cases,
+                g_totals.boundary ? cat(", ", g_totals.boundary, " near-boundary accepted").c_str() : "");
+    return 0;
+}

@@ -1,0 +1,405 @@
+#!/usr/bin/env bash
+# gpu_check.sh: THE one command every session runs on the GPU (device) machine.
+#
+# It installs what the device image lacks (carried wheels), builds and installs the project for
+# sm_90 (plus tests/cuda/test_ops), runs the cuda-vs-host op test, the GPU pytest suite, and
+# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over both, and leaves a summary.
+#
+# Use (from the development machine):
+#   tools/carry_wheels.sh                       # once: cffi, pycparser, dflash wheels -> build/whl
+#   device run: command = "tools/gpu_check.sh", carry = ["build/whl"], timeout_s = 600
+# or a part of it:
+#   tools/gpu_check.sh --quick                  # sanitizers over test_ops --quick + pytest -k smoke
+#   tools/gpu_check.sh --no-sanitizer           # build, test_ops, pytest -m gpu
+#   tools/gpu_check.sh --only-ops               # cmake build of test_ops, test_ops (+ its sanitizers)
+#   tools/gpu_check.sh --only-ops --no-sanitizer --ops-args "--filter attention --full"
+#
+# Flags:
+#   --quick              sanitizers run over test_ops --quick and `pytest -m gpu -k smoke` only
+#   --no-sanitizer       skip compute-sanitizer
+#   --only-ops           no pip install and no pytest: build test_ops with cmake, run it (+ sanitizers)
+#   --no-pytest          skip the pytest stages (plain and sanitized)
+#   --sanitizers LIST    comma list of compute-sanitizer tools (default memcheck,racecheck,initcheck,synccheck)
+#   --ops-args "ARGS"    extra arguments for the plain test_ops run (e.g. "--full", "--filter gemm")
+#   --ops-san-level L    test_ops level under the sanitizers: smoke | quick (default) | default
+#   --pytest-args "ARGS" extra arguments for every pytest run (e.g. "-k lifecycle")
+#   --seed N             test_ops seed (default: the clock; printed and recorded either way)
+#   --budget S           seconds for the whole run (default 560, inside the device tool's 600 s per
+#                        command): a stage that would start with under 20 s left is skipped, and every
+#                        stage runs under `timeout` with what is left, so the summary is always written
+#
+# Output (the device tool brings back at most 8 files from $OUT, 2 folders deep):
+#   $OUT/summary.json    machine-readable: ok, stages (status, rc, seconds), test counts, sanitizer
+#                        error counts, device memory before/after, device, seed
+#   $OUT/summary.md      the same for people (paste it into issue notes)
+#   $OUT/logs/gpu_check.log   everything this script printed
+#   $OUT/logs/logs.tar.gz     every stage's own log (build, test_ops, pytest, each sanitizer run)
+# Without $OUT (a local try) they go to ./build/gpu_check_out/.
+# Exit status: 0 when every stage that ran passed, else 1. The summary is written after every stage.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+
+QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1
+SANITIZERS=memcheck,racecheck,initcheck,synccheck
+OPS_ARGS="" OPS_SAN_LEVEL=quick PYTEST_ARGS="" SEED="" BUDGET=${GPU_CHECK_BUDGET:-560}
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --quick) QUICK=1 ;;
+        --no-sanitizer) SANITIZE=0 ;;
+        --only-ops) ONLY_OPS=1; PYTEST=0 ;;
+        --no-pytest) PYTEST=0 ;;
+        --sanitizers) SANITIZERS=$2; shift ;;
+        --ops-args) OPS_ARGS=$2; shift ;;
+        --ops-san-level) OPS_SAN_LEVEL=$2; shift ;;
+        --pytest-args) PYTEST_ARGS=$2; shift ;;
+        --seed) SEED=$2; shift ;;
+        --budget) BUDGET=$2; shift ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check: unknown flag $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+SEED=${SEED:-$(date +%s)}
+
+OUT_DIR=${OUT:-$REPO/build/gpu_check_out}
+WORK=${WORK:-/tmp/dflash_gpu_check}
+SITE=$WORK/site          # cffi, pycparser, pydflash
+ORACLE=$WORK/oracle      # dflash (the reference), only if it imports with the image's torch/transformers
+LOGS=$WORK/logs
+BUILD=build/gpu
+TEST_OPS=$REPO/$BUILD/test_ops
+rm -rf "$LOGS" "$WORK/stages.jsonl"
+mkdir -p "$OUT_DIR/logs" "$LOGS" "$SITE"
+: > "$WORK/stages.jsonl"
+exec > >(tee "$OUT_DIR/logs/gpu_check.log") 2>&1
+
+export PATH=/usr/local/cuda/bin:$PATH
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+OVERALL_OK=1
+
+# record NAME STATUS RC SECONDS LOG [KEY=VALUE ...]: one JSON line per stage (values stay strings;
+# the summariser turns numeric ones into numbers).
+record() {
+    python3 - "$WORK/stages.jsonl" "$@" <<'EOF'
+import json, sys
+path, name, status, rc, secs, log, *extra = sys.argv[1:]
+row = {"name": name, "status": status, "rc": int(rc) if rc.lstrip("-").isdigit() else None,
+       "seconds": int(secs), "log": log}
+for kv in extra:
+    k, _, v = kv.partition("=")
+    row[k] = v
+with open(path, "a") as f:
+    f.write(json.dumps(row) + "\n")
+EOF
+}
+
+gpu_memory() {  # "used,total" in MiB, or "" without nvidia-smi
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits 2>/dev/null \
+        | head -1 | tr -d ' '
+}
+
+# run_stage NAME LOGFILE CMD...: runs CMD (a program, not a shell function) under the remaining
+# budget, output to the console and LOGFILE. Sets STAGE_RC, STAGE_STATUS (ok / failed / timeout /
+# skipped), STAGE_SECS and STAGE_NOTE (extra record fields) for the caller's `record`.
+run_stage() {
+    local name=$1 log=$2
+    shift 2
+    local left=$(( BUDGET - $(elapsed) ))
+    STAGE_NOTE=""
+    if (( left < 20 )); then
+        echo "=== $name: SKIPPED (time budget: $(elapsed) s of $BUDGET s used)"
+        STAGE_RC=-1 STAGE_STATUS=skipped STAGE_SECS=0 STAGE_NOTE=reason=budget
+        return
+    fi
+    echo "=== $name  [t=$(elapsed) s, $left s left]: $*"
+    local t0
+    t0=$(date +%s)
+    timeout -k 10 "$left" "$@" 2>&1 | tee "$log"
+    STAGE_RC=${PIPESTATUS[0]}
+    STAGE_SECS=$(( $(date +%s) - t0 ))
+    STAGE_STATUS=ok
+    if (( STAGE_RC == 124 || STAGE_RC == 137 )); then
+        STAGE_STATUS=timeout STAGE_NOTE=reason=budget
+    elif (( STAGE_RC != 0 )); then
+        STAGE_STATUS=failed
+    fi
+    echo "=== $name: $STAGE_STATUS (rc $STAGE_RC, $STAGE_SECS s)"
+}
+
+summarize() {
+    python3 - "$WORK/stages.jsonl" "$OUT_DIR" "$SEED" "$(elapsed)" "$OVERALL_OK" \
+        "${MEM_BEFORE:-}" "${MEM_AFTER:-}" "${DEVICE_NAME:-}" "$*" <<'EOF'
+import json, sys
+stages_path, out, seed, secs, overall, mem_before, mem_after, device, flags = sys.argv[1:]
+stages = [json.loads(l) for l in open(stages_path) if l.strip()]
+def num(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v
+for s in stages:
+    for k, v in list(s.items()):
+        if k not in ("name", "status", "log"):
+            s[k] = num(v)
+def mem(v):
+    if not v or "," not in v:
+        return None
+    used, total = v.split(",")[:2]
+    return {"used_mib": num(used), "total_mib": num(total)}
+by = {s["name"]: s for s in stages}
+sanitizers = {}
+for s in stages:
+    if s["name"].startswith("sanitizer:"):
+        _, tool, target = s["name"].split(":")
+        sanitizers.setdefault(tool, {})[target] = {"status": s["status"], "errors": s.get("errors"),
+                                                    "seconds": s["seconds"]}
+def pick(name, *keys):
+    s = by.get(name)
+    return None if s is None else {k: s.get(k) for k in ("status", "seconds") + keys}
+summary = {
+    "ok": overall == "1",
+    "seconds": int(secs),
+    "seed": num(seed),
+    "flags": flags,
+    "device": device or None,
+    "memory": {"before": mem(mem_before), "after": mem(mem_after)},
+    "test_ops": pick("test_ops", "cases", "failed", "all_ok"),
+    "pytest": pick("pytest", "passed", "failed", "skipped", "errors"),
+    "sanitizers": sanitizers,
+    "stages": stages,
+}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+
+md = [f"# gpu_check: {'PASS' if summary['ok'] else 'FAIL'}", "",
+      f"- device: {device or 'unknown'}; flags: `{flags or '(none)'}`; test_ops seed {seed}; {secs} s", ""]
+mb, ma = summary["memory"]["before"], summary["memory"]["after"]
+if mb:
+    md.append(f"- device memory used: {mb['used_mib']} MiB before, "
+              f"{ma['used_mib'] if ma else '?'} MiB after (of {mb['total_mib']} MiB)")
+t = summary["test_ops"]
+if t:
+    md.append(f"- test_ops: {t['status']}, {t.get('cases')} cases, {t.get('failed')} failed")
+p = summary["pytest"]
+if p:
+    md.append(f"- pytest -m gpu: {p['status']}: {p.get('passed')} passed, {p.get('failed')} failed, "
+              f"{p.get('skipped')} skipped, {p.get('errors')} errors")
+if sanitizers:
+    md += ["", "| sanitizer | test_ops errors | pytest errors |", "| --- | --- | --- |"]
+    for tool, r in sanitizers.items():
+        cell = lambda x: "-" if x is None else (f"{x['errors']} ({x['status']}, {x['seconds']} s)")
+        md.append(f"| {tool} | {cell(r.get('test_ops'))} | {cell(r.get('pytest'))} |")
+md += ["", "| stage | status | rc | seconds | log |", "| --- | --- | --- | --- | --- |"]
+for s in stages:
+    md.append(f"| {s['name']} | {s['status']} | {s.get('rc')} | {s['seconds']} | {s.get('log')} |")
+open(f"{out}/summary.md", "w").write("\n".join(md) + "\n")
+EOF
+    # Individual logs travel as one archive (the device tool returns at most 8 files).
+    tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
+}
+ALL_ARGS="quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
+trap 'summarize "$ALL_ARGS"' EXIT
+
+fail_stage() { OVERALL_OK=0; }
+
+# ------------------------------------------------------------------------------------------------
+# 0. What machine is this
+# ------------------------------------------------------------------------------------------------
+DEVICE_NAME=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+echo "gpu_check: repo $REPO, out $OUT_DIR, work $WORK, seed $SEED, budget $BUDGET s"
+echo "gpu_check: device: ${DEVICE_NAME:-none (nvidia-smi missing or no GPU)}"
+{
+    python3 --version
+    nvcc --version | tail -2
+    cmake --version | head -1
+    python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1
+    command -v compute-sanitizer || echo "compute-sanitizer: not found"
+} 2>&1 | sed 's/^/gpu_check: /'
+
+# ------------------------------------------------------------------------------------------------
+# 1. Wheels the image lacks (tools/carry_wheels.sh put them in build/whl)
+# ------------------------------------------------------------------------------------------------
+PYPATH=$SITE
+if (( ! ONLY_OPS )); then
+    shopt -s nullglob
+    wheels=() oracle_wheels=()
+    for w in build/whl/*.whl; do
+        case "$(basename "$w")" in dflash-*) oracle_wheels+=("$w") ;; *) wheels+=("$w") ;; esac
+    done
+    if (( ${#wheels[@]} )); then
+        run_stage wheels "$LOGS/wheels.log" python3 -m pip install -q --no-index --no-deps --no-compile \
+            --upgrade --target "$SITE" "${wheels[@]}"
+        record wheels "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" wheels.log $STAGE_NOTE
+        [[ $STAGE_STATUS == ok ]] || fail_stage
+    else
+        echo "gpu_check: no wheels in build/whl (run tools/carry_wheels.sh here and carry build/whl)"
+        record wheels failed 1 0 - reason=no-wheels
+        fail_stage
+    fi
+    # The reference package: only put on the path if it imports with this image's torch and
+    # transformers, so that a version mismatch skips the oracle tests instead of breaking collection.
+    if (( ${#oracle_wheels[@]} )); then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$ORACLE" \
+            "${oracle_wheels[@]}" > "$LOGS/oracle.log" 2>&1
+        if PYTHONPATH=$ORACLE python3 -c 'import dflash.model' >> "$LOGS/oracle.log" 2>&1; then
+            PYPATH=$SITE:$ORACLE
+            record oracle ok 0 0 oracle.log note=dflash.model-imports
+        else
+            echo "gpu_check: dflash.model does not import here (see oracle.log); oracle tests will skip"
+            record oracle skipped 1 0 oracle.log note=dflash.model-import-failed
+        fi
+    fi
+    shopt -u nullglob
+fi
+
+# ------------------------------------------------------------------------------------------------
+# 2. Build: the package (pip, sm_90 only) and test_ops, sharing one CMake build in build/gpu
+# ------------------------------------------------------------------------------------------------
+export DFLASH_CUDA_ARCHITECTURES=90-real
+if (( ONLY_OPS )); then
+    run_stage build "$LOGS/build.log" bash -c "cmake -S . -B '$BUILD' -DDFLASH_CUDA=ON \
+        -DDFLASH_OP_TESTS=ON -DDFLASH_CUDA_ARCHITECTURES=90-real -DCMAKE_BUILD_TYPE=Release && \
+        cmake --build '$BUILD' --target test_ops -j $(nproc)"
+else
+    run_stage build "$LOGS/build.log" python3 -m pip install --no-build-isolation --no-deps --upgrade \
+        --target "$SITE" -C build-dir="$BUILD" -C cmake.define.DFLASH_CUDA=ON \
+        -C cmake.define.DFLASH_OP_TESTS=ON -C cmake.define.DFLASH_CUDA_ARCHITECTURES=90-real .
+fi
+record build "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" build.log $STAGE_NOTE
+BUILD_OK=0
+if [[ $STAGE_STATUS == ok && -x $TEST_OPS ]]; then BUILD_OK=1; else fail_stage; fi
+
+# ------------------------------------------------------------------------------------------------
+# 3. Device memory before
+# ------------------------------------------------------------------------------------------------
+MEM_BEFORE=$(gpu_memory)
+echo "gpu_check: device memory used,total (MiB) before: ${MEM_BEFORE:-unavailable}"
+
+# ------------------------------------------------------------------------------------------------
+# 4. test_ops: every cuda op against the host backend
+# ------------------------------------------------------------------------------------------------
+ops_counts() {  # cases= failed= all_ok= from a test_ops log
+    python3 - "$1" <<'EOF'
+import os, re, sys
+text = open(sys.argv[1], errors="replace").read() if os.path.exists(sys.argv[1]) else ""
+ok = re.search(r"^ALL OK \((\d+) cases", text, re.M)
+bad = re.search(r"^FAILED: (\d+) of (\d+) case", text, re.M)
+if ok:
+    print(f"cases={ok.group(1)} failed=0 all_ok=1")
+elif bad:
+    print(f"cases={bad.group(2)} failed={bad.group(1)} all_ok=0")
+else:
+    print("all_ok=0")
+EOF
+}
+if (( BUILD_OK )); then
+    # shellcheck disable=SC2086
+    run_stage test_ops "$LOGS/test_ops.log" "$TEST_OPS" --seed "$SEED" $OPS_ARGS
+    if (( STAGE_RC == 77 )); then STAGE_STATUS=skipped; fi  # no CUDA device
+    # shellcheck disable=SC2046
+    record test_ops "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops.log $STAGE_NOTE \
+        $(ops_counts "$LOGS/test_ops.log")
+    [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+else
+    record test_ops skipped -1 0 - reason=build-failed
+fi
+
+# ------------------------------------------------------------------------------------------------
+# 5. pytest -m gpu (the installed package, not the source tree: python3 -P keeps the cwd off sys.path)
+# ------------------------------------------------------------------------------------------------
+junit_counts() {  # passed= failed= skipped= errors= from a junit xml
+    python3 - "$1" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception:
+    print("passed=0 failed=0 skipped=0 errors=0"); sys.exit()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+t = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print(f"passed={t['tests'] - t['failures'] - t['errors'] - t['skipped']} failed={t['failures']} "
+      f"skipped={t['skipped']} errors={t['errors']}")
+EOF
+}
+export DFLASH_TEST_OPS=$TEST_OPS
+export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
+if (( PYTEST && BUILD_OK )); then
+    # shellcheck disable=SC2086
+    run_stage pytest "$LOGS/pytest.log" python3 -P -m pytest -m gpu -q -rs \
+        -p no:cacheprovider --junitxml="$LOGS/pytest.xml" $PYTEST_ARGS tests
+    (( STAGE_RC == 5 )) && STAGE_STATUS=ok  # no GPU test collected is not a failure
+    # shellcheck disable=SC2046
+    record pytest "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" pytest.log $STAGE_NOTE \
+        $(junit_counts "$LOGS/pytest.xml")
+    [[ $STAGE_STATUS == ok ]] || fail_stage
+elif (( PYTEST )); then
+    record pytest skipped -1 0 - reason=build-failed
+fi
+
+# ------------------------------------------------------------------------------------------------
+# 6. compute-sanitizer: each tool over test_ops, then each over the GPU pytest run
+# ------------------------------------------------------------------------------------------------
+sanitizer_errors() {  # sums "ERROR SUMMARY: N errors" (and racecheck's "(N errors") over all processes
+    python3 - "$1" <<'EOF'
+import os, re, sys
+text = open(sys.argv[1], errors="replace").read() if os.path.exists(sys.argv[1]) else ""
+found = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+if not found:
+    found = [int(n) for n in re.findall(r"RACECHECK SUMMARY: .*?\((\d+) error", text)]
+print(f"errors={sum(found)}" if found else "errors=unknown")
+EOF
+}
+SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if (( SANITIZE )) && (( BUILD_OK )); then
+    if [[ ! -x $SANITIZER ]]; then
+        echo "gpu_check: compute-sanitizer not found; sanitizer stages not run"
+        record sanitizers failed -1 0 - reason=compute-sanitizer-not-found
+        fail_stage
+    else
+        IFS=, read -r -a tools <<< "$SANITIZERS"
+        ops_level=()
+        [[ $OPS_SAN_LEVEL == default ]] || ops_level=(--"$OPS_SAN_LEVEL")
+        for tool in "${tools[@]}"; do
+            extra=()
+            [[ $tool == memcheck ]] && extra=(--leak-check full)
+            run_stage "sanitizer:$tool:test_ops" "$LOGS/san_${tool}_test_ops.log" "$SANITIZER" \
+                --tool "$tool" --error-exitcode 1 --print-limit 20 "${extra[@]}" \
+                "$TEST_OPS" --seed "$SEED" "${ops_level[@]}"
+            (( STAGE_RC == 77 )) && STAGE_STATUS=skipped
+            # shellcheck disable=SC2046
+            record "sanitizer:$tool:test_ops" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" \
+                "san_${tool}_test_ops.log" $STAGE_NOTE $(sanitizer_errors "$LOGS/san_${tool}_test_ops.log")
+            [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+        done
+        if (( PYTEST )); then
+            subset=()
+            (( QUICK )) && subset=(-k smoke)
+            for tool in "${tools[@]}"; do
+                # test_cuda_ops.py only re-runs test_ops, which was sanitised directly above.
+                # shellcheck disable=SC2086
+                run_stage "sanitizer:$tool:pytest" "$LOGS/san_${tool}_pytest.log" \
+                    "$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20 \
+                    --target-processes all python3 -P -m pytest -m gpu -q -x -p no:cacheprovider \
+                    --ignore=tests/test_cuda_ops.py "${subset[@]}" $PYTEST_ARGS tests
+                (( STAGE_RC == 5 )) && STAGE_STATUS=ok
+                # shellcheck disable=SC2046
+                record "sanitizer:$tool:pytest" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" \
+                    "san_${tool}_pytest.log" $STAGE_NOTE $(sanitizer_errors "$LOGS/san_${tool}_pytest.log")
+                [[ $STAGE_STATUS == ok ]] || fail_stage
+            done
+        fi
+    fi
+fi
+
+# ------------------------------------------------------------------------------------------------
+# 7. Device memory after, summary
+# ------------------------------------------------------------------------------------------------
+MEM_AFTER=$(gpu_memory)
+echo "gpu_check: device memory used,total (MiB) after: ${MEM_AFTER:-unavailable}"
+echo "gpu_check: $( (( OVERALL_OK )) && echo PASS || echo FAIL ) in $(elapsed) s; summary in $OUT_DIR/summary.md"
+summarize "$ALL_ARGS"
+trap - EXIT
+cat "$OUT_DIR/summary.md"
+(( OVERALL_OK )) && exit 0 || exit 1
