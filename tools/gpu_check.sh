@@ -122,7 +122,9 @@ run_stage() {
     STAGE_RC=${PIPESTATUS[0]}
     STAGE_SECS=$(( $(date +%s) - t0 ))
     STAGE_STATUS=ok
-    if (( STAGE_RC == 124 || STAGE_RC == 137 )); then
+    if (( STAGE_RC == 77 )); then  # test_ops: no CUDA device
+        STAGE_STATUS=skipped STAGE_NOTE=reason=no-cuda-device
+    elif (( STAGE_RC == 124 || STAGE_RC == 137 )); then
         STAGE_STATUS=timeout STAGE_NOTE=reason=budget
     elif (( STAGE_RC != 0 )); then
         STAGE_STATUS=failed
@@ -298,7 +300,10 @@ EOF
 if (( BUILD_OK )); then
     # shellcheck disable=SC2086
     run_stage test_ops "$LOGS/test_ops.log" "$TEST_OPS" --seed "$SEED" $OPS_ARGS
-    if (( STAGE_RC == 77 )); then STAGE_STATUS=skipped; fi  # no CUDA device
+    if [[ -n $DEVICE_NAME && $STAGE_STATUS == skipped && $STAGE_RC == 77 ]]; then
+        echo "gpu_check: test_ops found no CUDA device although nvidia-smi sees one: counted as a failure"
+        STAGE_STATUS=failed
+    fi
     # shellcheck disable=SC2046
     record test_ops "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops.log $STAGE_NOTE \
         $(ops_counts "$LOGS/test_ops.log")
@@ -330,9 +335,13 @@ if (( PYTEST && BUILD_OK )); then
     run_stage pytest "$LOGS/pytest.log" python3 -P -m pytest -m gpu -q -rs \
         -p no:cacheprovider --junitxml="$LOGS/pytest.xml" $PYTEST_ARGS tests
     (( STAGE_RC == 5 )) && STAGE_STATUS=ok  # no GPU test collected is not a failure
-    # shellcheck disable=SC2046
-    record pytest "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" pytest.log $STAGE_NOTE \
-        $(junit_counts "$LOGS/pytest.xml")
+    counts=$(junit_counts "$LOGS/pytest.xml")
+    if [[ -n $DEVICE_NAME && $STAGE_STATUS == ok && $counts == passed=0\ * && $counts != *skipped=0* ]]; then
+        echo "gpu_check: every GPU test was skipped although nvidia-smi sees a GPU: counted as a failure"
+        STAGE_STATUS=failed STAGE_NOTE=reason=all-skipped-on-a-gpu-machine
+    fi
+    # shellcheck disable=SC2086
+    record pytest "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" pytest.log $STAGE_NOTE $counts
     [[ $STAGE_STATUS == ok ]] || fail_stage
 elif (( PYTEST )); then
     record pytest skipped -1 0 - reason=build-failed
@@ -367,7 +376,6 @@ if (( SANITIZE )) && (( BUILD_OK )); then
             run_stage "sanitizer:$tool:test_ops" "$LOGS/san_${tool}_test_ops.log" "$SANITIZER" \
                 --tool "$tool" --error-exitcode 1 --print-limit 20 "${extra[@]}" \
                 "$TEST_OPS" --seed "$SEED" "${ops_level[@]}"
-            (( STAGE_RC == 77 )) && STAGE_STATUS=skipped
             # shellcheck disable=SC2046
             record "sanitizer:$tool:test_ops" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" \
                 "san_${tool}_test_ops.log" $STAGE_NOTE $(sanitizer_errors "$LOGS/san_${tool}_test_ops.log")

@@ -331,6 +331,11 @@ void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dty
     append_rows(seq, data, dtype, on_device, n_rows, first_pos);
 }
 
+void Drafter::reserve_context(DrafterSeq &seq, int64_t n_rows) {
+    const int64_t kept = p_.ctx_window > 0 ? std::min<int64_t>(n_rows, p_.ctx_window) : n_rows;
+    ensure_blocks(seq, seq.cached + int64_t(seq.pending_positions.size()) + kept);
+}
+
 void Drafter::append_backend_rows(DrafterSeq &seq, const void *rows, int32_t n_rows) {
     append_rows(seq, rows, backend_->act_dtype(), true, n_rows, -1);
 }
@@ -358,7 +363,7 @@ void Drafter::append_rows(DrafterSeq &seq, const void *data, dflash_dtype dtype,
     // Rows older than the newest ctx_window can never be attended to: skip them outright.
     const int64_t skip = p_.ctx_window > 0 ? std::max<int64_t>(0, n_rows - p_.ctx_window) : 0;
     const int64_t kept = n_rows - skip;
-    ensure_blocks(seq, seq.cached + int64_t(seq.pending_positions.size()) + kept);
+    reserve_context(seq, n_rows);
 
     const size_t row_bytes = size_t(feature_width_) * dtype_size(dtype);
     const char *src = static_cast<const char *>(data) + size_t(skip) * row_bytes;
@@ -511,11 +516,16 @@ void Drafter::after_verify(DrafterSeq &seq, int32_t num_accepted) {
         fail(DFLASH_STATUS_OUT_OF_RANGE, "num_accepted ", num_accepted, " needs ", num_accepted + 1,
              " context rows but the target verified only ", seq.staged_rows);
     seq.awaiting_verify = false;
-    seq.accepted_drafts += num_accepted;
     if (seq.staged_rows) {
+        try {
+            append_backend_rows(seq, seq.staged.get(), num_accepted + 1);
+        } catch (...) {  // nothing changed: the caller may retry
+            seq.awaiting_verify = true;
+            throw;
+        }
         seq.staged_rows = 0;
-        append_backend_rows(seq, seq.staged.get(), num_accepted + 1);
     }
+    seq.accepted_drafts += num_accepted;
 }
 
 void Drafter::check_staging(const DrafterSeq &seq, const int32_t *tokens, int32_t n,

@@ -79,6 +79,9 @@ public:
                     int32_t out_capacity);
     // For a target: contiguous context rows already in backend memory (act dtype).
     void append_backend_rows(DrafterSeq &seq, const void *rows, int32_t n_rows);
+    // Takes, all-or-nothing, the KV blocks that appending n_rows context rows will need, so a
+    // target can make sure its capture cannot fail half-way.
+    void reserve_context(DrafterSeq &seq, int64_t n_rows);
     // For a target's verify: checks the sequence proposed exactly tokens[1..n-1], is awaiting
     // after_verify at position target_length; then stage() keeps the n rows' features for
     // after_verify and returns the proposal rows q (nullptr: one-hot, i.e. greedy drafts).

@@ -337,22 +337,39 @@ int32_t Target::prefill(TargetSeq &seq, const int32_t *tokens, int32_t n,
             capture_width_ = width;
         }
     }
-    ensure_blocks(seq, int64_t(seq.length) + n);
-    const RngKey key{sampling.seed, seq.rng_counter};
-    for (int32_t done = 0; done < n;) {
-        const int32_t chunk = std::min(n - done, p_.prefill_chunk);
-        forward(seq, tokens + done, chunk, capture ? drafter : nullptr);
-        seq.length += chunk;
-        if (capture) drafter->append_backend_rows(*capture, capture_.get(), chunk);
-        done += chunk;
-        if (done == n) {
-            const int32_t next = choose_last(sampling, chunk - 1, key);
-            seq.rng_counter += 1;
-            seq.steps += 1;
-            return next;
+    // Every block either side will need is taken before any work, all-or-nothing, so a full
+    // pool fails here with both sequences unchanged.
+    const int32_t start = seq.length;
+    const size_t blocks_before = seq.blocks.size();
+    ensure_blocks(seq, int64_t(start) + n);
+    try {
+        if (capture) drafter->reserve_context(*capture, n);
+        const RngKey key{sampling.seed, seq.rng_counter};
+        int32_t next = -1;
+        for (int32_t done = 0; done < n;) {
+            const int32_t chunk = std::min(n - done, p_.prefill_chunk);
+            forward(seq, tokens + done, chunk, capture ? drafter : nullptr);
+            seq.length += chunk;
+            if (capture) drafter->append_backend_rows(*capture, capture_.get(), chunk);
+            done += chunk;
+            if (done == n) next = choose_last(sampling, chunk - 1, key);
         }
+        seq.rng_counter += 1;
+        seq.steps += 1;
+        return next;
+    } catch (...) {
+        seq.length = start;
+        release_blocks_past(seq, std::max(blocks_before, size_t(ceil_div(start, DFLASH_KV_BLOCK_SIZE))));
+        throw;
     }
-    return -1;  // unreachable: n >= 1
+}
+
+// Returns the sequence's blocks beyond the first `keep`.
+void Target::release_blocks_past(TargetSeq &seq, size_t keep) {
+    if (seq.blocks.size() <= keep) return;
+    std::vector<int32_t> spare(seq.blocks.begin() + long(keep), seq.blocks.end());
+    pool_.give_back(spare);
+    seq.blocks.resize(keep);
 }
 
 std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens, int32_t n,
@@ -396,6 +413,7 @@ std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens
     int32_t out[2] = {0, 0};
     backend_->download(out, result, sizeof(out));
     seq.length += out[0] + 1;  // the anchor and the accepted drafts; the rest is rolled back
+    release_blocks_past(seq, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
     seq.rng_counter += 1;
     seq.steps += 1;
     return {out[0], out[1]};
@@ -406,12 +424,7 @@ void Target::rollback(TargetSeq &seq, int32_t n_rows) {
         fail(DFLASH_STATUS_OUT_OF_RANGE, "rollback of ", n_rows, " rows from a sequence of ",
              seq.length);
     seq.length -= n_rows;
-    const size_t keep = size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE));
-    if (seq.blocks.size() > keep) {
-        std::vector<int32_t> spare(seq.blocks.begin() + long(keep), seq.blocks.end());
-        pool_.give_back(spare);
-        seq.blocks.resize(keep);
-    }
+    release_blocks_past(seq, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
 }
 
 dflash_target_seq_stats Target::info(const TargetSeq &seq) const {

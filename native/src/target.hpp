@@ -62,6 +62,7 @@ private:
     void require_finalized(const char *what) const;
     void check_tokens(const int32_t *tokens, int32_t n) const;
     void ensure_blocks(TargetSeq &seq, int64_t length);
+    void release_blocks_past(TargetSeq &seq, size_t keep);
     // One forward over rows at positions seq.length.. (K/V written, length unchanged). Leaves the
     // final normed hidden states in xn_; with `capture`, fills capture_ [n, n_ids*H].
     void forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Drafter *capture);
