@@ -196,3 +196,20 @@ def test_out_of_memory_is_clean(make_pair):
     assert device_used_bytes() == before
     with Target.from_pretrained(target_dir, backend="cuda") as target:  # the GPU still works
         assert len(pydflash.generate(target, None, [1, 2], 4).output_ids) == 4
+
+
+def test_smoke_cuda_paths(make_pair):
+    """Small and quick: every cuda op family once (the sanitizer runs use this test)."""
+    target_dir, draft_dir = make_pair(901, **CASES[1])
+    with Target.from_pretrained(target_dir, backend="cuda", prefill_chunk=8) as target, \
+            Drafter.from_pretrained(draft_dir, target=target, ctx_window=16) as drafter:
+        prompt = list(range(1, 30))
+        greedy = pydflash.generate(target, drafter, prompt, 12)
+        assert greedy.output_ids == pydflash.generate(target, None, prompt, 12).output_ids
+        for mode in ("greedy", "sample"):
+            out = pydflash.generate(target, drafter, prompt, 12, temperature=0.9, top_p=0.8,
+                                    top_k=20, seed=3, draft_mode=mode)
+            assert len(out.output_ids) == 12
+        for obj in (target, drafter):
+            stats = obj.pool_stats()
+            assert stats["free_blocks"] == stats["total_blocks"]
