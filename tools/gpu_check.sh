@@ -95,6 +95,7 @@ for kv in extra:
 with open(path, "a") as f:
     f.write(json.dumps(row) + "\n")
 EOF
+    summarize "$ALL_ARGS"  # after every stage, so a run killed later still leaves its summary
 }
 
 gpu_memory() {  # "used,total" in MiB, or "" without nvidia-smi
@@ -217,7 +218,7 @@ echo "gpu_check: device: ${DEVICE_NAME:-none (nvidia-smi missing or no GPU)}"
     python3 --version
     nvcc --version | tail -2
     cmake --version | head -1
-    python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1
+    python3 -c 'from importlib.metadata import version as v; print("torch", v("torch"), "transformers", v("transformers"))' 2>&1 | tail -1
     command -v compute-sanitizer || echo "compute-sanitizer: not found"
 } 2>&1 | sed 's/^/gpu_check: /'
 
@@ -332,8 +333,10 @@ export DFLASH_TEST_OPS=$TEST_OPS
 export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
 if (( PYTEST && BUILD_OK )); then
     # shellcheck disable=SC2086
+    # tests/test_cuda_ops.py only re-runs test_ops, which stage 4 ran already.
     run_stage pytest "$LOGS/pytest.log" python3 -P -m pytest -m gpu -q -rs \
-        -p no:cacheprovider --junitxml="$LOGS/pytest.xml" $PYTEST_ARGS tests
+        -p no:cacheprovider --ignore=tests/test_cuda_ops.py --junitxml="$LOGS/pytest.xml" \
+        $PYTEST_ARGS tests
     (( STAGE_RC == 5 )) && STAGE_STATUS=ok  # no GPU test collected is not a failure
     counts=$(junit_counts "$LOGS/pytest.xml")
     if [[ -n $DEVICE_NAME && $STAGE_STATUS == ok && $counts == passed=0\ * && $counts != *skipped=0* ]]; then
@@ -385,7 +388,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
             subset=()
             (( QUICK )) && subset=(-k smoke)
             for tool in "${tools[@]}"; do
-                # test_cuda_ops.py only re-runs test_ops, which was sanitised directly above.
+                # test_cuda_ops.py only re-runs test_ops, which was sanitized directly above.
                 # shellcheck disable=SC2086
                 run_stage "sanitizer:$tool:pytest" "$LOGS/san_${tool}_pytest.log" \
                     "$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20 \
