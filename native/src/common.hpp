@@ -112,4 +112,11 @@ inline float load_as_float(const void *data, dflash_dtype dtype, int64_t i) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Rejects a params field outside [lo, hi], naming the struct and the field.
+inline void check_range(const char *params, const char *field, int64_t value, int64_t lo, int64_t hi) {
+    if (value < lo || value > hi)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, params, ": ", field, " = ", value, " is outside [", lo,
+             ", ", hi, "]");
+}
+
 }  // namespace dflash

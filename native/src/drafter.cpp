@@ -8,14 +8,10 @@
 namespace dflash {
 namespace {
 
+constexpr const char *kParams = "drafter params";
+
 std::string layer_name(int i, const char *suffix) {
     return cat("layers.", i, ".", suffix);
-}
-
-void check_range(const char *field, int64_t value, int64_t lo, int64_t hi) {
-    if (value < lo || value > hi)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: ", field, " = ", value,
-             " is outside [", lo, ", ", hi, "]");
 }
 
 }  // namespace
@@ -27,55 +23,55 @@ Drafter::Drafter(std::shared_ptr<Backend> backend, const dflash_drafter_params &
         fail(DFLASH_STATUS_NOT_SUPPORTED, "the ",
              backend_->kind() == DFLASH_BACKEND_CUDA ? "cuda" : "host",
              " backend cannot run a drafter yet (missing: ", missing, "); use the host backend");
-    check_range("num_layers", p.num_layers, 1, DFLASH_MAX_LAYERS);
-    check_range("hidden_size", p.hidden_size, 1, 1 << 20);
-    check_range("intermediate_size", p.intermediate_size, 1, 1 << 22);
-    check_range("num_heads", p.num_heads, 1, 1024);
-    check_range("num_kv_heads", p.num_kv_heads, 1, p.num_heads);
+    check_range(kParams, "num_layers", p.num_layers, 1, DFLASH_MAX_LAYERS);
+    check_range(kParams, "hidden_size", p.hidden_size, 1, 1 << 20);
+    check_range(kParams, "intermediate_size", p.intermediate_size, 1, 1 << 22);
+    check_range(kParams, "num_heads", p.num_heads, 1, 1024);
+    check_range(kParams, "num_kv_heads", p.num_kv_heads, 1, p.num_heads);
     if (p.num_heads % p.num_kv_heads)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: num_heads ", p.num_heads,
              " is not a multiple of num_kv_heads ", p.num_kv_heads);
-    check_range("head_dim", p.head_dim, 2, 1024);
+    check_range(kParams, "head_dim", p.head_dim, 2, 1024);
     if (p.head_dim % 2)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: head_dim ", p.head_dim,
              " must be even (rotate-half RoPE)");
-    check_range("vocab_size", p.vocab_size, 1, INT32_MAX);
+    check_range(kParams, "vocab_size", p.vocab_size, 1, INT32_MAX);
     if (!(p.rms_norm_eps > 0))
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: rms_norm_eps ", p.rms_norm_eps,
              " must be > 0");
-    check_range("max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
+    check_range(kParams, "max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
     validate_rope(p.rope);
-    check_range("sliding_window", p.sliding_window, 0, INT32_MAX);
-    check_range("is_causal", p.is_causal, -1, 1);
+    check_range(kParams, "sliding_window", p.sliding_window, 0, INT32_MAX);
+    check_range(kParams, "is_causal", p.is_causal, -1, 1);
     for (int i = 0; i < p.num_layers; ++i)
         if (p.layer_types[i] != DFLASH_LAYER_FULL_ATTENTION &&
             p.layer_types[i] != DFLASH_LAYER_SLIDING_ATTENTION)
             fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: layer_types[", i, "] = ",
                  int(p.layer_types[i]), " is not a dflash_layer_type");
-    check_range("block_size", p.block_size, 2, 256);
+    check_range(kParams, "block_size", p.block_size, 2, 256);
     if (p.mask_token_id < 0 || p.mask_token_id >= p.vocab_size)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: mask_token_id ", p.mask_token_id,
              " is outside the vocabulary [0, ", p.vocab_size, ")");
-    check_range("num_target_layer_ids", p.num_target_layer_ids, 1, DFLASH_MAX_TARGET_LAYER_IDS);
-    check_range("num_target_layers", p.num_target_layers, 0, 1 << 16);
+    check_range(kParams, "num_target_layer_ids", p.num_target_layer_ids, 1, DFLASH_MAX_TARGET_LAYER_IDS);
+    check_range(kParams, "num_target_layers", p.num_target_layers, 0, 1 << 16);
     for (int i = 0; i < p.num_target_layer_ids; ++i) {
         const int32_t id = p.target_layer_ids[i];
         if (id < 0 || (p.num_target_layers > 0 && id >= p.num_target_layers))
             fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: target_layer_ids[", i, "] = ", id,
                  " is not a layer of a ", p.num_target_layers, "-layer target");
     }
-    check_range("target_hidden_size", p.target_hidden_size, 0, 1 << 20);
+    check_range(kParams, "target_hidden_size", p.target_hidden_size, 0, 1 << 20);
     if (!std::isfinite(p.input_embedding_scale) || !std::isfinite(p.output_multiplier))
         fail(DFLASH_STATUS_INVALID_ARGUMENT,
              "drafter params: input_embedding_scale and output_multiplier must be finite");
     if (!(p.final_logit_softcapping >= 0))
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "drafter params: final_logit_softcapping ",
              p.final_logit_softcapping, " must be >= 0 (0 = none)");
-    check_range("tie_word_embeddings", p.tie_word_embeddings, 0, 1);
-    check_range("max_batch", p.max_batch, 1, 1 << 16);
-    check_range("max_seq_len", p.max_seq_len, 1, 1 << 28);
-    check_range("ctx_window", p.ctx_window, 0, 1 << 28);
-    check_range("ctx_chunk_rows", p.ctx_chunk_rows, 0, 1 << 20);
+    check_range(kParams, "tie_word_embeddings", p.tie_word_embeddings, 0, 1);
+    check_range(kParams, "max_batch", p.max_batch, 1, 1 << 16);
+    check_range(kParams, "max_seq_len", p.max_seq_len, 1, 1 << 28);
+    check_range(kParams, "ctx_window", p.ctx_window, 0, 1 << 28);
+    check_range(kParams, "ctx_chunk_rows", p.ctx_chunk_rows, 0, 1 << 20);
 
     const int64_t H = p.hidden_size, I = p.intermediate_size;
     q_width_ = int64_t(p.num_heads) * p.head_dim;
@@ -221,14 +217,7 @@ void Drafter::require_finalized(const char *what) const {
 
 dflash_pool_stats Drafter::pool_stats(int32_t live_sequences) const {
     require_finalized("pool_stats");
-    dflash_pool_stats s{};
-    s.struct_size = sizeof(s);
-    s.total_blocks = pool_.total();
-    s.free_blocks = pool_.available();
-    s.block_size = DFLASH_KV_BLOCK_SIZE;
-    s.blocks_per_sequence = blocks_per_seq_;
-    s.live_sequences = live_sequences;
-    return s;
+    return pool_.stats(blocks_per_seq_, live_sequences);
 }
 
 std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
@@ -240,7 +229,7 @@ std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
              " exceeds the drafter's max_seq_len ", p_.max_seq_len);
     auto seq = std::make_unique<DrafterSeq>();
     seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
-    seq->block_table = DeviceBuffer(backend_.get(), size_t(blocks_per_seq_) * sizeof(int32_t));
+    seq->table = BlockTable(backend_.get(), blocks_per_seq_);
     seq->slot_positions.assign(size_t(ring_slots_), -1);
     seq->slot_positions_dev = DeviceBuffer(backend_.get(), size_t(ring_slots_) * sizeof(int32_t));
     backend_->upload(seq->slot_positions_dev.get(), seq->slot_positions.data(),
@@ -257,18 +246,13 @@ void *Drafter::act(const DeviceBuffer &buffer, int64_t element_offset) const {
 // Makes the sequence hold the blocks that logical slots [0, logical_end) map to (all of the
 // ring once it wraps). All-or-nothing: on POOL_EXHAUSTED the sequence is unchanged.
 void Drafter::ensure_blocks(DrafterSeq &seq, int64_t logical_end) {
-    const int32_t need = int32_t(std::min<int64_t>(blocks_per_seq_,
-                                                   ceil_div(logical_end, DFLASH_KV_BLOCK_SIZE)));
-    const int32_t have = int32_t(seq.blocks.size());
-    if (need <= have) return;
-    pool_.take(need - have, seq.blocks);
-    backend_->upload(seq.block_table.as<int32_t>() + have, seq.blocks.data() + have,
-                     size_t(need - have) * sizeof(int32_t));
+    seq.table.grow(pool_, *backend_, int32_t(std::min<int64_t>(
+                                         blocks_per_seq_, ceil_div(logical_end, DFLASH_KV_BLOCK_SIZE))));
 }
 
 int32_t Drafter::physical_slot(const DrafterSeq &seq, int64_t logical) const {
     const int64_t ring = logical % ring_slots_;
-    return seq.blocks[size_t(ring / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
+    return seq.table.blocks()[size_t(ring / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
            int32_t(ring % DFLASH_KV_BLOCK_SIZE);
 }
 
@@ -426,7 +410,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
 
     PagedKeys keys;
-    keys.block_table = seq.block_table.as<int32_t>();
+    keys.block_table = seq.table.device();
     keys.slot_positions = seq.slot_positions_dev.as<int32_t>();
     keys.ring_slots = ring_slots_;
     keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, seq.cached - p_.ctx_window) : 0;
@@ -563,15 +547,14 @@ dflash_seq_info Drafter::info(const DrafterSeq &seq) const {
     s.cached_rows = int32_t(p_.ctx_window > 0 ? std::min<int64_t>(seq.cached, p_.ctx_window)
                                               : seq.cached);
     s.pending_rows = int32_t(seq.pending_positions.size());
-    s.blocks_held = int32_t(seq.blocks.size());
+    s.blocks_held = seq.table.size();
     s.proposals = seq.proposals;
     s.accepted_drafts = seq.accepted_drafts;
     return s;
 }
 
 void Drafter::reset(DrafterSeq &seq) {
-    pool_.give_back(seq.blocks);
-    seq.blocks.clear();
+    seq.table.shrink(pool_, 0);
     std::fill(seq.slot_positions.begin(), seq.slot_positions.end(), -1);
     seq.pending_positions.clear();
     seq.cached = 0;

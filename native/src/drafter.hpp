@@ -28,8 +28,7 @@ class Drafter;
 
 struct DrafterSeq {
     int32_t budget = 0;                 // positions [0, budget)
-    std::vector<int32_t> blocks;        // block table, host copy
-    DeviceBuffer block_table;           // [blocks_per_seq] int32
+    BlockTable table;                   // [blocks_per_seq], a ring once it wraps
     std::vector<int32_t> slot_positions;// [ring_slots] stamped position per ring slot
     DeviceBuffer slot_positions_dev;    // device copy
     DeviceBuffer features;              // [chunk_rows, feature_width] act: the accumulator

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend.hpp"
 #include "common.hpp"
 
 namespace dflash {
@@ -49,9 +50,51 @@ public:
         }
     }
 
+    dflash_pool_stats stats(int32_t blocks_per_sequence, int32_t live_sequences) const {
+        dflash_pool_stats s{};
+        s.struct_size = sizeof(s);
+        s.total_blocks = total();
+        s.free_blocks = available();
+        s.block_size = DFLASH_KV_BLOCK_SIZE;
+        s.blocks_per_sequence = blocks_per_sequence;
+        s.live_sequences = live_sequences;
+        return s;
+    }
+
 private:
     std::vector<int32_t> free_;
     std::vector<uint8_t> in_use_;
+};
+
+// One sequence's blocks: the host list and its copy in backend memory (what kernels read).
+class BlockTable {
+public:
+    BlockTable() = default;
+    BlockTable(Backend *backend, int32_t capacity)
+        : device_(backend, size_t(capacity) * sizeof(int32_t)) {}
+
+    const std::vector<int32_t> &blocks() const { return blocks_; }
+    int32_t size() const { return int32_t(blocks_.size()); }
+    const int32_t *device() const { return device_.as<int32_t>(); }
+
+    // Holds at least `need` blocks afterwards; all-or-nothing (POOL_EXHAUSTED takes none).
+    void grow(BlockPool &pool, Backend &backend, int32_t need) {
+        const int32_t have = size();
+        if (need <= have) return;
+        pool.take(need - have, blocks_);
+        backend.upload(device_.as<int32_t>() + have, blocks_.data() + have,
+                       size_t(need - have) * sizeof(int32_t));
+    }
+    // Returns every block past the first `keep`.
+    void shrink(BlockPool &pool, size_t keep) {
+        if (blocks_.size() <= keep) return;
+        pool.give_back(std::vector<int32_t>(blocks_.begin() + long(keep), blocks_.end()));
+        blocks_.resize(keep);
+    }
+
+private:
+    std::vector<int32_t> blocks_;
+    DeviceBuffer device_;  // [capacity] int32
 };
 
 }  // namespace dflash

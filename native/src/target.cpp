@@ -7,13 +7,9 @@
 namespace dflash {
 namespace {
 
-std::string layer_name(int i, const char *suffix) { return cat("layers.", i, ".", suffix); }
+constexpr const char *kParams = "target params";
 
-void check_range(const char *field, int64_t value, int64_t lo, int64_t hi) {
-    if (value < lo || value > hi)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: ", field, " = ", value,
-             " is outside [", lo, ", ", hi, "]");
-}
+std::string layer_name(int i, const char *suffix) { return cat("layers.", i, ".", suffix); }
 
 }  // namespace
 
@@ -23,28 +19,28 @@ Target::Target(std::shared_ptr<Backend> backend, const dflash_target_params &p)
         fail(DFLASH_STATUS_NOT_SUPPORTED, "the ",
              backend_->kind() == DFLASH_BACKEND_CUDA ? "cuda" : "host",
              " backend cannot run a target yet (missing: ", missing, "); use the host backend");
-    check_range("arch", p.arch, DFLASH_ARCH_QWEN3, DFLASH_ARCH_LLAMA);
-    check_range("num_layers", p.num_layers, 1, 1024);
-    check_range("hidden_size", p.hidden_size, 1, 1 << 20);
-    check_range("intermediate_size", p.intermediate_size, 1, 1 << 22);
-    check_range("num_heads", p.num_heads, 1, 1024);
-    check_range("num_kv_heads", p.num_kv_heads, 1, p.num_heads);
+    check_range(kParams, "arch", p.arch, DFLASH_ARCH_QWEN3, DFLASH_ARCH_LLAMA);
+    check_range(kParams, "num_layers", p.num_layers, 1, 1024);
+    check_range(kParams, "hidden_size", p.hidden_size, 1, 1 << 20);
+    check_range(kParams, "intermediate_size", p.intermediate_size, 1, 1 << 22);
+    check_range(kParams, "num_heads", p.num_heads, 1, 1024);
+    check_range(kParams, "num_kv_heads", p.num_kv_heads, 1, p.num_heads);
     if (p.num_heads % p.num_kv_heads)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: num_heads ", p.num_heads,
              " is not a multiple of num_kv_heads ", p.num_kv_heads);
-    check_range("head_dim", p.head_dim, 2, 1024);
+    check_range(kParams, "head_dim", p.head_dim, 2, 1024);
     if (p.head_dim % 2)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: head_dim ", p.head_dim, " must be even");
-    check_range("vocab_size", p.vocab_size, 1, INT32_MAX);
+    check_range(kParams, "vocab_size", p.vocab_size, 1, INT32_MAX);
     if (!(p.rms_norm_eps > 0))
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "target params: rms_norm_eps must be > 0");
-    check_range("max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
+    check_range(kParams, "max_position_embeddings", p.max_position_embeddings, 1, INT32_MAX);
     validate_rope(p.rope);
-    check_range("tie_word_embeddings", p.tie_word_embeddings, 0, 1);
-    check_range("max_batch", p.max_batch, 1, 1 << 16);
-    check_range("max_seq_len", p.max_seq_len, 1, 1 << 28);
-    check_range("max_verify_rows", p.max_verify_rows, 1, 1024);
-    check_range("prefill_chunk", p.prefill_chunk, 1, 1 << 16);
+    check_range(kParams, "tie_word_embeddings", p.tie_word_embeddings, 0, 1);
+    check_range(kParams, "max_batch", p.max_batch, 1, 1 << 16);
+    check_range(kParams, "max_seq_len", p.max_seq_len, 1, 1 << 28);
+    check_range(kParams, "max_verify_rows", p.max_verify_rows, 1, 1024);
+    check_range(kParams, "prefill_chunk", p.prefill_chunk, 1, 1 << 16);
 
     const int64_t H = p.hidden_size, I = p.intermediate_size;
     q_width_ = int64_t(p.num_heads) * p.head_dim;
@@ -170,14 +166,7 @@ void Target::require_finalized(const char *what) const {
 
 dflash_pool_stats Target::pool_stats(int32_t live_sequences) const {
     require_finalized("pool_stats");
-    dflash_pool_stats s{};
-    s.struct_size = sizeof(s);
-    s.total_blocks = pool_.total();
-    s.free_blocks = pool_.available();
-    s.block_size = DFLASH_KV_BLOCK_SIZE;
-    s.blocks_per_sequence = blocks_per_seq_;
-    s.live_sequences = live_sequences;
-    return s;
+    return pool_.stats(blocks_per_seq_, live_sequences);
 }
 
 std::unique_ptr<TargetSeq> Target::alloc_seq(int32_t budget_tokens) {
@@ -189,7 +178,7 @@ std::unique_ptr<TargetSeq> Target::alloc_seq(int32_t budget_tokens) {
              " exceeds the target's max_seq_len ", p_.max_seq_len);
     auto seq = std::make_unique<TargetSeq>();
     seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
-    seq->block_table = DeviceBuffer(backend_.get(), size_t(blocks_per_seq_) * sizeof(int32_t));
+    seq->table = BlockTable(backend_.get(), blocks_per_seq_);
     return seq;
 }
 
@@ -211,12 +200,7 @@ void Target::check_tokens(const int32_t *tokens, int32_t n) const {
 
 // All-or-nothing: the sequence holds the blocks for `length` tokens, or nothing changed.
 void Target::ensure_blocks(TargetSeq &seq, int64_t length) {
-    const int32_t need = int32_t(ceil_div(length, DFLASH_KV_BLOCK_SIZE));
-    const int32_t have = int32_t(seq.blocks.size());
-    if (need <= have) return;
-    pool_.take(need - have, seq.blocks);
-    backend_->upload(seq.block_table.as<int32_t>() + have, seq.blocks.data() + have,
-                     size_t(need - have) * sizeof(int32_t));
+    seq.table.grow(pool_, *backend_, int32_t(ceil_div(length, DFLASH_KV_BLOCK_SIZE)));
 }
 
 void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Drafter *capture) {
@@ -228,7 +212,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         const int32_t pos = start + j;
         args[size_t(j)] = tokens[j];
         args[size_t(n + j)] = pos;
-        args[size_t(2 * n + j)] = seq.blocks[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
+        args[size_t(2 * n + j)] = seq.table.blocks()[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
                                   pos % DFLASH_KV_BLOCK_SIZE;
     }
     int32_t *dev = step_i32_.as<int32_t>();
@@ -236,7 +220,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     const int32_t *d_tokens = dev, *d_pos = dev + n, *d_slots = dev + 2 * n;
 
     PagedKeys keys;
-    keys.block_table = seq.block_table.as<int32_t>();
+    keys.block_table = seq.table.device();
     keys.slot_positions = key_positions_.as<int32_t>();
     keys.ring_slots = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
     keys.first_key = 0;
@@ -340,7 +324,7 @@ int32_t Target::prefill(TargetSeq &seq, const int32_t *tokens, int32_t n,
     // Every block either side will need is taken before any work, all-or-nothing, so a full
     // pool fails here with both sequences unchanged.
     const int32_t start = seq.length;
-    const size_t blocks_before = seq.blocks.size();
+    const size_t blocks_before = size_t(seq.table.size());
     ensure_blocks(seq, int64_t(start) + n);
     try {
         if (capture) drafter->reserve_context(*capture, n);
@@ -359,17 +343,9 @@ int32_t Target::prefill(TargetSeq &seq, const int32_t *tokens, int32_t n,
         return next;
     } catch (...) {
         seq.length = start;
-        release_blocks_past(seq, std::max(blocks_before, size_t(ceil_div(start, DFLASH_KV_BLOCK_SIZE))));
+        seq.table.shrink(pool_, std::max(blocks_before, size_t(ceil_div(start, DFLASH_KV_BLOCK_SIZE))));
         throw;
     }
-}
-
-// Returns the sequence's blocks beyond the first `keep`.
-void Target::release_blocks_past(TargetSeq &seq, size_t keep) {
-    if (seq.blocks.size() <= keep) return;
-    std::vector<int32_t> spare(seq.blocks.begin() + long(keep), seq.blocks.end());
-    pool_.give_back(spare);
-    seq.blocks.resize(keep);
 }
 
 std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens, int32_t n,
@@ -413,7 +389,7 @@ std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens
     int32_t out[2] = {0, 0};
     backend_->download(out, result, sizeof(out));
     seq.length += out[0] + 1;  // the anchor and the accepted drafts; the rest is rolled back
-    release_blocks_past(seq, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
+    seq.table.shrink(pool_, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
     seq.rng_counter += 1;
     seq.steps += 1;
     return {out[0], out[1]};
@@ -424,7 +400,7 @@ void Target::rollback(TargetSeq &seq, int32_t n_rows) {
         fail(DFLASH_STATUS_OUT_OF_RANGE, "rollback of ", n_rows, " rows from a sequence of ",
              seq.length);
     seq.length -= n_rows;
-    release_blocks_past(seq, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
+    seq.table.shrink(pool_, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
 }
 
 dflash_target_seq_stats Target::info(const TargetSeq &seq) const {
@@ -432,14 +408,13 @@ dflash_target_seq_stats Target::info(const TargetSeq &seq) const {
     s.struct_size = sizeof(s);
     s.budget_tokens = seq.budget;
     s.length = seq.length;
-    s.blocks_held = int32_t(seq.blocks.size());
+    s.blocks_held = seq.table.size();
     s.steps = seq.steps;
     return s;
 }
 
 void Target::reset(TargetSeq &seq) {
-    pool_.give_back(seq.blocks);
-    seq.blocks.clear();
+    seq.table.shrink(pool_, 0);
     seq.length = 0;
     seq.rng_counter = 0;
     seq.steps = 0;

@@ -22,8 +22,7 @@ namespace dflash {
 
 struct TargetSeq {
     int32_t budget = 0;
-    std::vector<int32_t> blocks;
-    DeviceBuffer block_table;      // [blocks_per_seq] int32
+    BlockTable table;              // [blocks_per_seq]
     int32_t length = 0;            // tokens whose K/V are committed
     uint64_t rng_counter = 0;      // prefill/verify calls drawn so far
     int32_t steps = 0;
@@ -62,7 +61,6 @@ private:
     void require_finalized(const char *what) const;
     void check_tokens(const int32_t *tokens, int32_t n) const;
     void ensure_blocks(TargetSeq &seq, int64_t length);
-    void release_blocks_past(TargetSeq &seq, size_t keep);
     // One forward over rows at positions seq.length.. (K/V written, length unchanged). Leaves the
     // final normed hidden states in xn_; with `capture`, fills capture_ [n, n_ids*H].
     void forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Drafter *capture);
