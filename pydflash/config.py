@@ -82,6 +82,16 @@ def _read_json(source):
     return data
 
 
+def _fill_model_params(p, config):
+    """The fields dflash_drafter_params and dflash_target_params share, from a DrafterConfig or TargetConfig
+    (which declare them alike: num_layers through rope)."""
+    p.num_layers, p.hidden_size, p.intermediate_size = config.num_layers, config.hidden_size, config.intermediate_size
+    p.num_heads, p.num_kv_heads, p.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    p.vocab_size, p.rms_norm_eps = config.vocab_size, config.rms_norm_eps
+    p.max_position_embeddings = config.max_position_embeddings
+    config.rope.fill(p.rope)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """dflash_rope_params. 0 in factor/original_max_position/attention_factor means "computed as transformers
@@ -297,11 +307,7 @@ class DrafterConfig:
             raise ValueError(f"{len(self.target_layer_ids)} target_layer_ids > DFLASH_MAX_TARGET_LAYER_IDS "
                              f"{lib.DFLASH_MAX_TARGET_LAYER_IDS}")
         p = ffi.new("dflash_drafter_params *", lib.dflash_drafter_default_params())
-        p.num_layers, p.hidden_size, p.intermediate_size = self.num_layers, self.hidden_size, self.intermediate_size
-        p.num_heads, p.num_kv_heads, p.head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        p.vocab_size, p.rms_norm_eps = self.vocab_size, self.rms_norm_eps
-        p.max_position_embeddings = self.max_position_embeddings
-        self.rope.fill(p.rope)
+        _fill_model_params(p, self)
         p.sliding_window = self.sliding_window or 0
         p.is_causal = -1 if self.is_causal is None else int(self.is_causal)
         for i, kind in enumerate(self.layer_types):
@@ -471,11 +477,7 @@ class TargetConfig:
         """A filled `dflash_target_params *` (cffi-owned)."""
         p = ffi.new("dflash_target_params *", lib.dflash_target_default_params())
         p.arch = _ARCH_ORDER.index(self.arch)
-        p.num_layers, p.hidden_size, p.intermediate_size = self.num_layers, self.hidden_size, self.intermediate_size
-        p.num_heads, p.num_kv_heads, p.head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        p.vocab_size, p.rms_norm_eps = self.vocab_size, self.rms_norm_eps
-        p.max_position_embeddings = self.max_position_embeddings
-        self.rope.fill(p.rope)
+        _fill_model_params(p, self)
         p.tie_word_embeddings = int(self.tie_word_embeddings)
         p.max_batch, p.max_seq_len = max_batch, max_seq_len
         p.max_verify_rows, p.prefill_chunk = max_verify_rows, prefill_chunk

@@ -8,9 +8,10 @@ A drafter and its sequences must be used by one thread at a time (the library's 
 import numpy as np
 
 from . import _ffi
+from ._handle import NativeModel, NativeSequence, backend_code, context_params, create_native, new_struct, \
+    struct_dict
 from .checkpoint import CheckpointError, load_tensors
 from .config import DrafterConfig, TargetInfo
-from .devices import stream_handle
 from .sampling import sampling_pointer
 
 # Where a Hugging Face causal LM keeps the two tensors the drafter borrows, by the drafter's name for them.
@@ -25,17 +26,6 @@ _FEATURE_DTYPES = {
     "bf16": ("DFLASH_DTYPE_BF16", ("bfloat16", "uint16")),  # ml_dtypes.bfloat16, or its bits as uint16
 }
 _DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def _struct_dict(ffi, cdata):
-    """Every field of a stats/info struct but struct_size, so the dict follows the header as it grows."""
-    return {name: getattr(cdata, name) for name, _ in ffi.typeof(cdata[0]).fields if name != "struct_size"}
-
-
-def _new_struct(ffi, ctype):
-    out = ffi.new(ctype + " *")
-    out.struct_size = ffi.sizeof(ctype)
-    return out
 
 
 def _feature_dtype(array, dtype):
@@ -58,24 +48,16 @@ def _feature_dtype(array, dtype):
     return code
 
 
-class Sequence:
+class Sequence(NativeSequence):
     """One sequence's drafter state (its KV blocks live in the drafter's pool). Made by Drafter.new_sequence."""
 
     def __init__(self, drafter, handle):
-        self._drafter, self._handle = drafter, handle
+        super().__init__(drafter, handle)
+        self._drafter = drafter  # the owner by its own name (TargetSequence tells a drafter Sequence by it)
         ffi = drafter._lib.ffi
         self._max_drafts = max(drafter.block_size - 1, 1)
         self._tokens = ffi.new("int32_t[]", self._max_drafts)
         self._count = ffi.new("int32_t *")
-
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _live(self):
-        if self._handle is None:
-            raise ValueError("sequence is closed" + (" (its drafter was closed)" if self._drafter.closed else ""))
-        return self._handle
 
     def append_context(self, features, first_pos=None, *, dtype=None):
         """Append context rows: the target's hidden states after target_layer_ids, [n_rows, feature_width],
@@ -144,43 +126,24 @@ class Sequence:
 
     def info(self) -> dict:
         lib = self._drafter._lib
-        out = _new_struct(lib.ffi, "dflash_seq_info")
+        out = new_struct(lib.ffi, "dflash_seq_info")
         lib.check(lib.lib.dflash_drafter_seq_info(self._live(), out))
-        return _struct_dict(lib.ffi, out)
+        return struct_dict(lib.ffi, out)
 
     def reset(self):
         """Return every KV block and restart at position 0, keeping the handle and budget."""
         lib = self._drafter._lib
         lib.check(lib.lib.dflash_drafter_seq_reset(self._live()))
 
-    def close(self):
-        """Free the sequence and its KV blocks. A no-op when already closed (or its drafter was)."""
-        if self._handle is None:
-            return
-        handle, self._handle = self._handle, None
-        self._drafter._sequences.discard(self)
-        self._drafter._lib.check(self._drafter._lib.lib.dflash_drafter_seq_free(handle))
 
-    def _invalidate(self):  # the drafter destroyed us along with itself
-        self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return f"<pydflash.Sequence {'closed' if self.closed else 'open'}>"
-
-
-class Drafter:
+class Drafter(NativeModel):
     """A DFlash drafter on one backend. Create with Drafter.from_pretrained; free with close() / `with`."""
+
+    _kind, _sequence_class = "drafter", Sequence
 
     def __init__(self, lib, context, handle, config, target_info, backend, device, *, target=None,
                  max_seq_len=4096):
-        self._lib, self._context, self._handle = lib, context, handle  # context None: the target's is shared
-        self._sequences = set()  # live Sequence objects, so close() can mark them closed
+        super().__init__(lib, context, handle)  # context None: the target's is shared
         self.config, self.target_info, self.backend, self.device = config, target_info, backend, device
         self.target = target  # the Target whose weights and context this drafter shares; None when standalone
         self.max_seq_len = max_seq_len
@@ -204,7 +167,6 @@ class Drafter:
         if (target_dir is None) == (target is None):
             raise ValueError("give exactly one of target_dir (a checkpoint directory) or target (a pydflash.Target)")
         lib = _ffi.load()
-        ffi, c = lib.ffi, lib.lib
         if target is not None:
             if not hasattr(target, "_live") or not hasattr(target, "config") or not hasattr(target.config, "info"):
                 raise TypeError(f"target must be a pydflash.Target, got {type(target).__name__}")
@@ -219,96 +181,26 @@ class Drafter:
             backend = "host" if backend is None else backend
             device = 0 if device is None else device
             target_info = TargetInfo.from_json(target_dir)
-        backend_code = {"host": c.DFLASH_BACKEND_HOST, "cuda": c.DFLASH_BACKEND_CUDA}.get(str(backend).lower())
-        if backend_code is None:
-            raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
+        code = backend_code(lib, backend)
         config = DrafterConfig.from_json(draft_dir)
         config.check_target(target_info)
         expected = config.tensor_shapes(target_info)
         if target is not None:  # shared in memory, never given
             expected = {k: v for k, v in expected.items() if k not in _TARGET_TENSORS}
         tensors = _gather_tensors(draft_dir, target_dir, expected)
-        params = config.to_params(ffi, c, target=target_info, max_batch=max_batch, max_seq_len=max_seq_len,
+        params = config.to_params(lib.ffi, lib.lib, target=target_info, max_batch=max_batch, max_seq_len=max_seq_len,
                                   ctx_window=ctx_window, ctx_chunk_rows=ctx_chunk_rows)
-
-        context = handle = None
-        try:
-            out = ffi.new("dflash_drafter **")
-            if target is not None:
-                lib.check(c.dflash_drafter_create_for_target(target._live(), params, out))
-            else:
-                context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
-                context_params.backend, context_params.device = backend_code, device
-                context_params.stream = stream_handle(stream)
-                context_out = ffi.new("dflash_context **")
-                lib.check(c.dflash_context_create(context_params, context_out))
-                context = context_out[0]
-                lib.check(c.dflash_drafter_create(context, params, out))
-            handle = out[0]
-            dtypes = {"F32": c.DFLASH_DTYPE_F32, "F16": c.DFLASH_DTYPE_F16, "BF16": c.DFLASH_DTYPE_BF16}
-            for name in sorted(expected):
-                t = tensors[name]
-                lib.check(c.dflash_drafter_set_tensor(handle, name.encode(), dtypes[t.dtype], len(t.shape),
-                                                      ffi.new("int64_t[]", list(t.shape)),
-                                                      ffi.from_buffer(t.array.view(np.uint8))))
-            lib.check(c.dflash_drafter_finalize(handle))
-        except BaseException:
-            # Statuses ignored: the original error is the one to report, and both calls accept NULL.
-            c.dflash_drafter_destroy(handle or ffi.NULL)
-            c.dflash_context_destroy(context or ffi.NULL)
-            raise
+        if target is not None:
+            context, handle = create_native(lib, "drafter", params, tensors, target_handle=target._live())
+        else:
+            context, handle = create_native(lib, "drafter", params, tensors,
+                                            context_params=context_params(lib, code, device, stream))
         return cls(lib, context, handle, config, target_info, str(backend).lower(), device, target=target,
                    max_seq_len=max_seq_len)
 
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _live(self):
-        if self._handle is None:
-            raise ValueError("drafter is closed")
-        return self._handle
-
     def new_sequence(self, budget_tokens=None) -> Sequence:
         """A sequence for positions [0, budget_tokens) (None: max_seq_len). KV blocks are taken as rows arrive."""
-        out = self._lib.ffi.new("dflash_drafter_seq **")
-        self._lib.check(self._lib.lib.dflash_drafter_seq_alloc(self._live(), budget_tokens or 0, out))
-        seq = Sequence(self, out[0])
-        self._sequences.add(seq)
-        return seq
-
-    def pool_stats(self) -> dict:
-        """{total_blocks, free_blocks, block_size, blocks_per_sequence, live_sequences} of the KV pool."""
-        out = _new_struct(self._lib.ffi, "dflash_pool_stats")
-        self._lib.check(self._lib.lib.dflash_drafter_pool_stats(self._live(), out))
-        return _struct_dict(self._lib.ffi, out)
-
-    def close(self):
-        """Destroy the drafter (and with it every sequence still open), then its context. Idempotent."""
-        if self._handle is None:
-            return
-        for seq in self._sequences:
-            seq._invalidate()
-        self._sequences.clear()
-        handle, context, self._handle, self._context = self._handle, self._context, None, None
-        try:
-            self._lib.check(self._lib.lib.dflash_drafter_destroy(handle))
-        finally:
-            if context is not None:  # a drafter made with target= shares the target's context, which it closes
-                self._lib.check(self._lib.lib.dflash_context_destroy(context))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        # Last resort only (close() is the contract); never raise from a finalizer, even at interpreter exit.
-        try:
-            self.close()
-        except Exception:
-            pass
+        return self._new_sequence(budget_tokens)
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.backend}:{self.device}"
@@ -349,4 +241,4 @@ def _gather_tensors(draft_dir, target_dir, expected):
         problems.append("misshaped: " + ", ".join(misshaped))
     if problems:
         raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
-    return tensors
+    return {name: tensors[name] for name in expected}  # with target=, not the drafter file's embed_tokens / lm_head

@@ -10,24 +10,14 @@ time.
 import numpy as np
 
 from . import _ffi
+from ._handle import NativeModel, NativeSequence, backend_code, context_params, create_native, new_struct, \
+    struct_dict
 from .checkpoint import CheckpointError, load_tensors
 from .config import TargetConfig
-from .devices import stream_handle
-from .drafter import _new_struct, _struct_dict
 from .sampling import sampling_pointer
 
 # Stored tensors transformers itself skips when loading (buffers of old checkpoints), never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_DTYPES = {"F32": "DFLASH_DTYPE_F32", "F16": "DFLASH_DTYPE_F16", "BF16": "DFLASH_DTYPE_BF16"}
-
-
-def backend_code(lib, backend):
-    """'host' / 'cuda' -> the dflash_backend value, or a ValueError."""
-    codes = {"host": lib.lib.DFLASH_BACKEND_HOST, "cuda": lib.lib.DFLASH_BACKEND_CUDA}
-    code = codes.get(str(backend).lower())
-    if code is None:
-        raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
-    return code
 
 
 def token_buffer(ffi, token_ids, what="token_ids"):
@@ -49,23 +39,17 @@ def token_buffer(ffi, token_ids, what="token_ids"):
         raise TypeError(f"{what} must hold ints, got {type(bad).__name__} {bad!r}") from None
 
 
-class TargetSequence:
+class TargetSequence(NativeSequence):
     """One sequence's target state: a paged causal KV cache in the target's pool. Made by Target.new_sequence."""
 
+    _what = "target sequence"
+
     def __init__(self, target, handle):
-        self._target, self._handle = target, handle
+        super().__init__(target, handle)
+        self._target = target  # the owner by its own name
         ffi = target._lib.ffi
         self._accepted = ffi.new("int32_t *")
         self._next = ffi.new("int32_t *")
-
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _live(self):
-        if self._handle is None:
-            raise ValueError("target sequence is closed" + (" (its target was closed)" if self._target.closed else ""))
-        return self._handle
 
     @staticmethod
     def _drafter_handle(drafter_seq, what):
@@ -110,46 +94,27 @@ class TargetSequence:
     def info(self) -> dict:
         """{budget_tokens, length (tokens in the KV cache), blocks_held, steps}."""
         lib = self._target._lib
-        out = _new_struct(lib.ffi, "dflash_target_seq_stats")
+        out = new_struct(lib.ffi, "dflash_target_seq_stats")
         lib.check(lib.lib.dflash_target_seq_info(self._live(), out))
-        return _struct_dict(lib.ffi, out)
+        return struct_dict(lib.ffi, out)
 
     def reset(self):
         """Return every KV block and restart at position 0, keeping the handle and budget."""
         lib = self._target._lib
         lib.check(lib.lib.dflash_target_seq_reset(self._live()))
 
-    def close(self):
-        """Free the sequence and its KV blocks. A no-op when already closed (or its target was)."""
-        if self._handle is None:
-            return
-        handle, self._handle = self._handle, None
-        self._target._sequences.discard(self)
-        self._target._lib.check(self._target._lib.lib.dflash_target_seq_free(handle))
 
-    def _invalidate(self):  # the target destroyed us along with itself
-        self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return f"<pydflash.TargetSequence {'closed' if self.closed else 'open'}>"
-
-
-class Target:
+class Target(NativeModel):
     """A Qwen3 / Llama target model on one backend. Create with Target.from_pretrained; free with close() / `with`.
 
     Drafters made with Drafter.from_pretrained(draft_dir, target=this) share its context, embed_tokens and
     lm_head; they keep the shared weights alive if the target is closed first.
     """
 
+    _kind, _sequence_class = "target", TargetSequence
+
     def __init__(self, lib, context, handle, config, path, backend, device, sizing):
-        self._lib, self._context, self._handle = lib, context, handle
-        self._sequences = set()
+        super().__init__(lib, context, handle)
         self.config, self.path, self.backend, self.device = config, path, backend, device
         self.max_batch, self.max_seq_len, self.max_verify_rows, self.prefill_chunk = sizing
 
@@ -160,86 +125,19 @@ class Target:
         sharded with an index). `max_seq_len` bounds one sequence (prompt + output); `max_verify_rows` the widest
         block a verify takes; `stream` a CUDA stream to enqueue on (None: the library makes one)."""
         lib = _ffi.load()
-        ffi, c = lib.ffi, lib.lib
         code = backend_code(lib, backend)
         config = TargetConfig.from_json(target_dir)
         tensors = _gather_tensors(target_dir, config)
-        params = config.to_params(ffi, c, max_batch=max_batch, max_seq_len=max_seq_len,
+        params = config.to_params(lib.ffi, lib.lib, max_batch=max_batch, max_seq_len=max_seq_len,
                                   max_verify_rows=max_verify_rows, prefill_chunk=prefill_chunk)
-        context_params = ffi.new("dflash_context_params *", c.dflash_context_default_params())
-        context_params.backend, context_params.device = code, device
-        context_params.stream = stream_handle(stream)
-
-        context = handle = None
-        try:
-            out = ffi.new("dflash_context **")
-            lib.check(c.dflash_context_create(context_params, out))
-            context = out[0]
-            out = ffi.new("dflash_target **")
-            lib.check(c.dflash_target_create(context, params, out))
-            handle = out[0]
-            for name in sorted(tensors):
-                t = tensors[name]
-                lib.check(c.dflash_target_set_tensor(handle, name.encode(), getattr(c, _DTYPES[t.dtype]),
-                                                     len(t.shape), ffi.new("int64_t[]", list(t.shape)),
-                                                     ffi.from_buffer(t.array.view(np.uint8))))
-            lib.check(c.dflash_target_finalize(handle))
-        except BaseException:
-            # Statuses ignored: the original error is the one to report, and both calls accept NULL.
-            c.dflash_target_destroy(handle or ffi.NULL)
-            c.dflash_context_destroy(context or ffi.NULL)
-            raise
+        context, handle = create_native(lib, "target", params, tensors,
+                                        context_params=context_params(lib, code, device, stream))
         return cls(lib, context, handle, config, str(target_dir), str(backend).lower(), device,
                    (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
 
-    @property
-    def closed(self):
-        return self._handle is None
-
-    def _live(self):
-        if self._handle is None:
-            raise ValueError("target is closed")
-        return self._handle
-
     def new_sequence(self, budget_tokens=None) -> TargetSequence:
         """A sequence for positions [0, budget_tokens) (None: max_seq_len). KV blocks are taken as it grows."""
-        out = self._lib.ffi.new("dflash_target_seq **")
-        self._lib.check(self._lib.lib.dflash_target_seq_alloc(self._live(), budget_tokens or 0, out))
-        seq = TargetSequence(self, out[0])
-        self._sequences.add(seq)
-        return seq
-
-    def pool_stats(self) -> dict:
-        """{total_blocks, free_blocks, block_size, blocks_per_sequence, live_sequences} of the KV pool."""
-        out = _new_struct(self._lib.ffi, "dflash_pool_stats")
-        self._lib.check(self._lib.lib.dflash_target_pool_stats(self._live(), out))
-        return _struct_dict(self._lib.ffi, out)
-
-    def close(self):
-        """Destroy the target (and with it every sequence still open), then its context. Idempotent."""
-        if self._handle is None:
-            return
-        for seq in self._sequences:
-            seq._invalidate()
-        self._sequences.clear()
-        handle, context, self._handle, self._context = self._handle, self._context, None, None
-        try:
-            self._lib.check(self._lib.lib.dflash_target_destroy(handle))
-        finally:
-            self._lib.check(self._lib.lib.dflash_context_destroy(context))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        # Last resort only (close() is the contract); never raise from a finalizer, even at interpreter exit.
-        try:
-            self.close()
-        except Exception:
-            pass
+        return self._new_sequence(budget_tokens)
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.backend}:{self.device}"
