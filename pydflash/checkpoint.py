@@ -131,3 +131,39 @@ def load_tensors(directory, names=None) -> dict:
             raise CheckpointError(f"{path}: lacks {', '.join(absent)} which {INDEX_FILE} places there")
         out.update(_map_file(path, header, data_start, names))
     return out
+
+
+def as_tensor(name, value) -> Tensor:
+    """A Tensor from a Tensor (kept) or a C-contiguous numpy array: float32 -> F32, float16 -> F16, ml_dtypes
+    bfloat16 -> BF16 (bf16 bit patterns as uint16 must come wrapped in a Tensor with dtype "BF16")."""
+    if isinstance(value, Tensor):
+        return value
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"tensor {name}: expected a numpy array or pydflash.Tensor, got {type(value).__name__}")
+    kinds = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+    dtype = kinds.get(value.dtype.name)
+    if dtype is None:
+        raise TypeError(f"tensor {name}: dtype {value.dtype} is not float32, float16 or bfloat16 (give bf16 bit "
+                        f"patterns as pydflash.Tensor(name, 'BF16', shape, uint16_array, '<memory>'))")
+    array = np.ascontiguousarray(value)
+    bits = array.view(np.uint16) if dtype == "BF16" else array
+    return Tensor(name, dtype, tuple(array.shape), bits, "<memory>")
+
+
+def check_tensors(expected, tensors, where) -> dict:
+    """{name: Tensor} in `expected`'s order, or ONE CheckpointError naming every missing, unexpected and misshaped
+    tensor. `expected` maps canonical names to shapes; `where` names the source in the message."""
+    problems = []
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected in {where}: {', '.join(unexpected)}")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        problems.append(f"missing from {where}: {', '.join(missing)}")
+    misshaped = [f"{n} {list(tensors[n].shape)} (expected {list(expected[n])})"
+                 for n in sorted(expected) if n in tensors and tuple(tensors[n].shape) != tuple(expected[n])]
+    if misshaped:
+        problems.append("misshaped: " + ", ".join(misshaped))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return {name: tensors[name] for name in expected}

@@ -10,7 +10,7 @@ import numpy as np
 from . import _ffi
 from ._handle import NativeModel, NativeSequence, backend_code, context_params, create_native, new_struct, \
     struct_dict
-from .checkpoint import CheckpointError, load_tensors
+from .checkpoint import CheckpointError, as_tensor, check_tensors, load_tensors
 from .config import DrafterConfig, TargetInfo
 from .sampling import sampling_pointer
 
@@ -166,28 +166,46 @@ class Drafter(NativeModel):
         """
         if (target_dir is None) == (target is None):
             raise ValueError("give exactly one of target_dir (a checkpoint directory) or target (a pydflash.Target)")
-        lib = _ffi.load()
-        if target is not None:
-            if not hasattr(target, "_live") or not hasattr(target, "config") or not hasattr(target.config, "info"):
-                raise TypeError(f"target must be a pydflash.Target, got {type(target).__name__}")
-            for name, given, own in (("backend", backend, target.backend), ("device", device, target.device)):
-                if given is not None and str(given).lower() != str(own):
-                    raise ValueError(f"{name}={given!r} differs from the target's {own!r} (a drafter made with "
-                                     f"target= runs where its target runs)")
-            if stream is not None:
-                raise ValueError("stream cannot be given with target= (the drafter uses the target's stream)")
-            backend, device, target_info = target.backend, target.device, target.config.info
-        else:
-            backend = "host" if backend is None else backend
-            device = 0 if device is None else device
-            target_info = TargetInfo.from_json(target_dir)
-        code = backend_code(lib, backend)
+        backend, device, target_info = _placement(target, target_dir, backend, device, stream)
         config = DrafterConfig.from_json(draft_dir)
         config.check_target(target_info)
-        expected = config.tensor_shapes(target_info)
-        if target is not None:  # shared in memory, never given
-            expected = {k: v for k, v in expected.items() if k not in _TARGET_TENSORS}
+        expected = _expected_shapes(config, target_info, target)
         tensors = _gather_tensors(draft_dir, target_dir, expected)
+        return cls._create(config, target_info, tensors, target, backend, device, stream, max_batch, max_seq_len,
+                           ctx_window, ctx_chunk_rows)
+
+    @classmethod
+    def from_tensors(cls, config, tensors, *, target=None, target_config=None, backend=None, device=None,
+                     max_batch=1, max_seq_len=4096, ctx_window=0, ctx_chunk_rows=0, stream=None) -> "Drafter":
+        """A drafter from weights already in memory: `config` a DrafterConfig, a config.json dict or path;
+        `tensors` {name: numpy array (float32 / float16 / ml_dtypes bfloat16) or pydflash.Tensor}. Exactly one of
+        target (a pydflash.Target whose embed_tokens / lm_head / context are shared, as from_pretrained) or
+        target_config (the target's config: a dict, path or TargetInfo; then `tensors` must also hold
+        embed_tokens.weight and lm_head.weight). The library copies the arrays."""
+        if (target_config is None) == (target is None):
+            raise ValueError("give exactly one of target_config (the target's config) or target (a pydflash.Target)")
+        backend, device, target_info = _placement(target, target_config, backend, device, stream)
+        config = config if isinstance(config, DrafterConfig) else DrafterConfig.from_json(config)
+        config.check_target(target_info)
+        expected = _expected_shapes(config, target_info, target)
+        given = {}
+        for name, value in tensors.items():
+            canonical = name[len("model."):] if name.startswith("model.") else name
+            if target is not None and canonical in _TARGET_TENSORS:
+                continue  # shared with the target, as from_pretrained
+            given[canonical] = as_tensor(name, value)
+        try:
+            checked = check_tensors(expected, given, "tensors")
+        except CheckpointError as e:
+            raise CheckpointError(f"tensors do not match the drafter config: {e}") from None
+        return cls._create(config, target_info, checked, target, backend, device, stream, max_batch, max_seq_len,
+                           ctx_window, ctx_chunk_rows)
+
+    @classmethod
+    def _create(cls, config, target_info, tensors, target, backend, device, stream, max_batch, max_seq_len,
+                ctx_window, ctx_chunk_rows):
+        lib = _ffi.load()
+        code = backend_code(lib, backend)
         params = config.to_params(lib.ffi, lib.lib, target=target_info, max_batch=max_batch, max_seq_len=max_seq_len,
                                   ctx_window=ctx_window, ctx_chunk_rows=ctx_chunk_rows)
         if target is not None:
@@ -207,6 +225,32 @@ class Drafter(NativeModel):
         return (f"<pydflash.Drafter {state} layers={self.config.num_layers} hidden={self.hidden_size} "
                 f"block_size={self.block_size}>")
 
+
+
+def _placement(target, target_source, backend, device, stream):
+    """(backend, device, TargetInfo): a Target's own (backend / device / stream must then be left unset or
+    agree), or the given ones (host, device 0 by default) with the TargetInfo read from target_source."""
+    if target is None:
+        info = target_source if isinstance(target_source, TargetInfo) else TargetInfo.from_json(target_source)
+        return ("host" if backend is None else backend), (0 if device is None else device), info
+    if not hasattr(target, "_live") or not hasattr(target, "config") or not hasattr(target.config, "info"):
+        raise TypeError(f"target must be a pydflash.Target, got {type(target).__name__}")
+    for name, given, own in (("backend", backend, target.backend), ("device", device, target.device)):
+        if given is not None and str(given).lower() != str(own):
+            raise ValueError(f"{name}={given!r} differs from the target's {own!r} (a drafter made with "
+                             f"target= runs where its target runs)")
+    if stream is not None:
+        raise ValueError("stream cannot be given with target= (the drafter uses the target's stream)")
+    return target.backend, target.device, target.config.info
+
+
+def _expected_shapes(config, target_info, target):
+    """{name: shape} the drafter is given: all of config.tensor_shapes but the target's shared tensors when
+    made with target= (shared in memory, never given)."""
+    expected = config.tensor_shapes(target_info)
+    if target is not None:
+        expected = {k: v for k, v in expected.items() if k not in _TARGET_TENSORS}
+    return expected
 
 def _gather_tensors(draft_dir, target_dir, expected):
     """{canonical name: Tensor} for exactly the `expected` names, or ONE CheckpointError listing every missing,

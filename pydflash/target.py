@@ -12,7 +12,7 @@ import numpy as np
 from . import _ffi
 from ._handle import NativeModel, NativeSequence, backend_code, context_params, create_native, new_struct, \
     struct_dict
-from .checkpoint import CheckpointError, load_tensors
+from .checkpoint import CheckpointError, as_tensor, check_tensors, load_tensors
 from .config import TargetConfig
 from .sampling import sampling_pointer
 
@@ -124,16 +124,41 @@ class Target(NativeModel):
         """Load a Qwen3ForCausalLM / LlamaForCausalLM checkpoint (HF layout: config.json + model.safetensors or
         sharded with an index). `max_seq_len` bounds one sequence (prompt + output); `max_verify_rows` the widest
         block a verify takes; `stream` a CUDA stream to enqueue on (None: the library makes one)."""
+        config = TargetConfig.from_json(target_dir)
+        return cls._create(config, _gather_tensors(target_dir, config), str(target_dir), backend, device, stream,
+                           (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
+
+    @classmethod
+    def from_tensors(cls, config, tensors, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
+                     max_verify_rows=16, prefill_chunk=256, stream=None) -> "Target":
+        """A target from weights already in memory: `config` a TargetConfig, a config.json dict or path;
+        `tensors` {name: numpy array (float32 / float16 / ml_dtypes bfloat16) or pydflash.Tensor}, named as in
+        the checkpoint ("model." prefix optional). The library copies them; the arrays may be dropped after.
+        Sizing and stream as from_pretrained."""
+        config = config if isinstance(config, TargetConfig) else TargetConfig.from_json(config)
+        given = {}
+        for name, value in tensors.items():
+            canonical = name[len("model."):] if name.startswith("model.") else name
+            if config.tie_word_embeddings and canonical == "lm_head.weight":
+                continue  # as from a checkpoint: the tied head is embed_tokens
+            given[canonical] = as_tensor(name, value)
+        try:
+            checked = check_tensors(config.tensor_shapes(), given, "tensors")
+        except CheckpointError as e:
+            raise CheckpointError(f"tensors do not match the target config ({config.arch}): {e}") from None
+        return cls._create(config, checked, "<memory>", backend, device, stream,
+                           (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
+
+    @classmethod
+    def _create(cls, config, tensors, path, backend, device, stream, sizing):
         lib = _ffi.load()
         code = backend_code(lib, backend)
-        config = TargetConfig.from_json(target_dir)
-        tensors = _gather_tensors(target_dir, config)
+        max_batch, max_seq_len, max_verify_rows, prefill_chunk = sizing
         params = config.to_params(lib.ffi, lib.lib, max_batch=max_batch, max_seq_len=max_seq_len,
                                   max_verify_rows=max_verify_rows, prefill_chunk=prefill_chunk)
         context, handle = create_native(lib, "target", params, tensors,
                                         context_params=context_params(lib, code, device, stream))
-        return cls(lib, context, handle, config, str(target_dir), str(backend).lower(), device,
-                   (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
+        return cls(lib, context, handle, config, path, str(backend).lower(), device, sizing)
 
     def new_sequence(self, budget_tokens=None) -> TargetSequence:
         """A sequence for positions [0, budget_tokens) (None: max_seq_len). KV blocks are taken as it grows."""
@@ -159,16 +184,11 @@ def _gather_tensors(target_dir, config):
         if canonical in tensors:
             problems.append(f"{name} duplicates {tensors[canonical].name}")
         tensors[canonical] = tensor
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        problems.append(f"unexpected in {target_dir}: {', '.join(unexpected)}")
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        problems.append(f"missing from {target_dir}: {', '.join(missing)}")
-    misshaped = [f"{n} {list(tensors[n].shape)} (expected {list(expected[n])})"
-                 for n in sorted(expected) if n in tensors and tensors[n].shape != tuple(expected[n])]
-    if misshaped:
-        problems.append("misshaped: " + ", ".join(misshaped))
+    checked = None
+    try:
+        checked = check_tensors(expected, tensors, target_dir)
+    except CheckpointError as e:
+        problems.append(str(e))
     if problems:
         raise CheckpointError(f"target checkpoint does not match its config ({config.arch}): " + "; ".join(problems))
-    return {name: tensors[name] for name in expected}
+    return checked

@@ -496,3 +496,53 @@ def test_generate_frees_everything_on_error(pair):
     with pytest.raises(ValueError, match="block_size 4 > the drafter's block_size 3"):
         generate(target, Echo(), [1, 2, 3], 15, block_size=4)
     assert _pools_full(target, drafter)
+
+
+def test_from_tensors_equals_from_pretrained(library, make_pair):
+    """Weights handed over in memory (numpy f32 arrays, or Tensors as loaded) give the same engine as the files."""
+    import json
+
+    import numpy as np
+
+    from pydflash import CheckpointError, Drafter, Target, generate, load_tensors
+
+    target_dir, draft_dir = make_pair(31, vocab_size=89, block_size=6)
+    target_cfg = json.load(open(f"{target_dir}/config.json"))
+    draft_cfg = json.load(open(f"{draft_dir}/config.json"))
+    target_tensors = load_tensors(target_dir)  # names as stored ("model." prefixes)
+    as_f32 = {name: t.array.astype(np.float32) if t.dtype != "BF16" else t for name, t in target_tensors.items()}
+    prompt = [5, 7, 11, 13, 17, 19]
+    with Target.from_pretrained(target_dir, max_seq_len=96) as t1, \
+            Drafter.from_pretrained(draft_dir, target=t1, max_seq_len=96) as d1:
+        expected = generate(t1, d1, prompt, max_new_tokens=24)
+    with Target.from_tensors(target_cfg, as_f32, max_seq_len=96) as t2, \
+            Drafter.from_tensors(draft_cfg, load_tensors(draft_dir), target=t2, max_seq_len=96) as d2:
+        got = generate(t2, d2, prompt, max_new_tokens=24)
+        assert t2.path == "<memory>"
+    assert got.output_ids == expected.output_ids and got.drafts == expected.drafts
+
+    # standalone drafter: embed_tokens / lm_head come with the tensors, the target's config says their shapes
+    shared = {"embed_tokens.weight": target_tensors["model.embed_tokens.weight"],
+              "lm_head.weight": target_tensors.get("lm_head.weight", target_tensors["model.embed_tokens.weight"])}
+    with Drafter.from_pretrained(draft_dir, target_dir, max_seq_len=96) as d3, \
+            Drafter.from_tensors(draft_cfg, {**load_tensors(draft_dir), **shared}, target_config=target_cfg,
+                                 max_seq_len=96) as d4:
+        feats = np.random.default_rng(0).standard_normal((5, d3.feature_width)).astype(np.float32)
+        outs = []
+        for d in (d3, d4):
+            with d.new_sequence() as seq:
+                seq.append_context(feats)
+                outs.append(seq.propose(3, 5, 5))
+        assert outs[0] == outs[1]
+
+    missing = dict(as_f32)
+    missing.pop("model.norm.weight")
+    missing["model.bogus.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(CheckpointError, match=r"unexpected in tensors: bogus.weight.*missing from tensors: norm.weight"):
+        Target.from_tensors(target_cfg, missing)
+    with pytest.raises(TypeError, match="int64"):
+        Target.from_tensors(target_cfg, {**as_f32, "model.norm.weight": np.zeros(4, np.int64)})
+    with pytest.raises(ValueError, match="exactly one"):
+        Drafter.from_tensors(draft_cfg, load_tensors(draft_dir))
+    with pytest.raises(CheckpointError, match="missing from tensors: embed_tokens.weight, lm_head.weight"):
+        Drafter.from_tensors(draft_cfg, load_tensors(draft_dir), target_config=target_cfg)
