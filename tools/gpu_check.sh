@@ -23,6 +23,10 @@
 #   --ops-args "ARGS"    extra arguments for the plain test_ops run (e.g. "--full", "--filter gemm")
 #   --ops-san-level L    test_ops level under the sanitizers: smoke | quick (default) | default
 #   --pytest-args "ARGS" extra arguments for every pytest run (e.g. "-k lifecycle")
+#   --no-ops             skip the test_ops stage (and its sanitizer runs)
+#   --bench "ARGS"       after pytest, run tools/bench.py ARGS (issue 5's speed table; "" for its defaults),
+#                        writing $OUT/bench.json, bench.png and logs/bench.log
+#   --then "CMD"         after the bench, run CMD (bash -c, repo root, PYTHONPATH with pydflash) as stage "then"
 #   --seed N             test_ops seed (default: the clock; printed and recorded either way)
 #   --budget S           seconds for the whole run (default 560, inside the device tool's 600 s per
 #                        command): a stage that would start with under 20 s left is skipped, and every
@@ -41,7 +45,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 
-QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1
+QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN=""
 SANITIZERS=memcheck,racecheck,initcheck,synccheck
 OPS_ARGS="" OPS_SAN_LEVEL=quick PYTEST_ARGS="" SEED="" BUDGET=${GPU_CHECK_BUDGET:-560}
 while [[ $# -gt 0 ]]; do
@@ -50,6 +54,9 @@ while [[ $# -gt 0 ]]; do
         --no-sanitizer) SANITIZE=0 ;;
         --only-ops) ONLY_OPS=1; PYTEST=0 ;;
         --no-pytest) PYTEST=0 ;;
+        --no-ops) OPS=0 ;;
+        --bench) BENCH=1; BENCH_ARGS=$2; shift ;;
+        --then) THEN=$2; shift ;;
         --sanitizers) SANITIZERS=$2; shift ;;
         --ops-args) OPS_ARGS=$2; shift ;;
         --ops-san-level) OPS_SAN_LEVEL=$2; shift ;;
@@ -203,7 +210,7 @@ EOF
     # Individual logs travel as one archive (the device tool returns at most 8 files).
     tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 }
-ALL_ARGS="quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
+ALL_ARGS="quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
 trap 'summarize "$ALL_ARGS"' EXIT
 
 fail_stage() { OVERALL_OK=0; }
@@ -298,7 +305,7 @@ else:
     print("all_ok=0")
 EOF
 }
-if (( BUILD_OK )); then
+if (( BUILD_OK && OPS )); then
     # shellcheck disable=SC2086
     run_stage test_ops "$LOGS/test_ops.log" "$TEST_OPS" --seed "$SEED" $OPS_ARGS
     if [[ -n $DEVICE_NAME && $STAGE_STATUS == skipped && $STAGE_RC == 77 ]]; then
@@ -309,7 +316,7 @@ if (( BUILD_OK )); then
     record test_ops "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops.log $STAGE_NOTE \
         $(ops_counts "$LOGS/test_ops.log")
     [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
-else
+elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed
 fi
 
@@ -351,6 +358,23 @@ elif (( PYTEST )); then
 fi
 
 # ------------------------------------------------------------------------------------------------
+# 5b. The speed benchmark (tools/bench.py) and an extra command, before the slow sanitizer runs
+# ------------------------------------------------------------------------------------------------
+if (( BENCH && BUILD_OK )); then
+    # shellcheck disable=SC2086
+    run_stage bench "$LOGS/bench.log" python3 -P tools/bench.py --json "$OUT_DIR/bench.json" \
+        --plot "$OUT_DIR/bench.png" $BENCH_ARGS
+    cp "$LOGS/bench.log" "$OUT_DIR/logs/bench.log" 2>/dev/null || true
+    record bench "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" bench.log $STAGE_NOTE
+    [[ $STAGE_STATUS == ok ]] || fail_stage
+fi
+if [[ -n $THEN ]] && (( BUILD_OK )); then
+    run_stage then "$LOGS/then.log" bash -c "$THEN"
+    record then "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" then.log $STAGE_NOTE
+    [[ $STAGE_STATUS == ok ]] || fail_stage
+fi
+
+# ------------------------------------------------------------------------------------------------
 # 6. compute-sanitizer: each tool over test_ops, then each over the GPU pytest run
 # ------------------------------------------------------------------------------------------------
 sanitizer_errors() {  # sums "ERROR SUMMARY: N errors" (and racecheck's "(N errors") over all processes
@@ -374,6 +398,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
         ops_level=()
         [[ $OPS_SAN_LEVEL == default ]] || ops_level=(--"$OPS_SAN_LEVEL")
         for tool in "${tools[@]}"; do
+            (( OPS )) || break
             extra=()
             [[ $tool == memcheck ]] && extra=(--leak-check full)
             run_stage "sanitizer:$tool:test_ops" "$LOGS/san_${tool}_test_ops.log" "$SANITIZER" \

@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""bench.py: pydflash step latency against the memory-bandwidth floor (and the reference), on a GPU.
+
+Rows (issue 5), batch 1, bf16, random weights at real checkpoint shapes (not zeros):
+  propose  Qwen3-8B-DFlash-b16 drafter: 7 new context rows + a 16-row block, context 1024 / 8192
+  propose  Qwen3-4B-DFlash-b16 shapes (H 2560, I 9728), context 1024
+  verify   Qwen3-8B target, 16 rows at context 1024
+  decode   Qwen3-8B target, 1 row at context 1024
+For each: the floor = bytes of weights a step must read / copy bandwidth measured in the same run (a
+device-to-device copy), our median time (CUDA events on our stream, >= 100 steps after warm-up), the ratio,
+and, when torch + transformers + dflash import, the reference's median time measured the same way.
+
+    python3 tools/bench.py [--rows propose8b,propose8b_8k,propose4b,verify,decode] [--iters 100]
+                           [--no-reference] [--json OUT.json] [--plot OUT.png]
+
+Prints a table; --json writes every number; --plot a bar chart (matplotlib if installed).
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import pydflash
+from pydflash.checkpoint import Tensor
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                max_position_embeddings=40960, tie_word_embeddings=False)
+QWEN3_4B = dict(QWEN3_8B, hidden_size=2560, intermediate_size=9728)
+CTX = {"short": 1024, "long": 8192}  # --tiny shrinks these and the shapes above (a host-backend smoke run)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=512)
+
+
+def target_config(base, layers):
+    return dict(base, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=layers)
+
+
+def drafter_config(base):
+    return dict(base, architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=5,
+                num_target_layers=36, block_size=16,
+                dflash_config={"mask_token_id": base["vocab_size"] - 1, "target_layer_ids": [1, 9, 17, 25, 33]})
+
+
+class RandomPool:
+    """Random bf16 bits (normal * 0.02, never zeros) large enough for any tensor; each tensor is a view at its
+    own offset, so no two layers hold the same weights."""
+
+    def __init__(self, elements, seed=0):
+        rng = np.random.default_rng(seed)
+        base = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).view(np.uint32)
+        base = ((base + 0x7FFF + ((base >> 16) & 1)) >> 16).astype(np.uint16)
+        self.bits = np.resize(base, elements + (1 << 24))
+        self.next = 0
+
+    def tensor(self, name, shape):
+        n = int(np.prod(shape))
+        offset = (self.next * 7919) % (1 << 24)  # a different start per tensor
+        self.next += 1
+        return Tensor(name, "BF16", tuple(shape), self.bits[offset:offset + n], "<random>")
+
+
+def weight_bytes(shapes):
+    return sum(int(np.prod(s)) * 2 for name, s in shapes.items()
+               if "embed_tokens" not in name)  # a step reads a few embedding rows, not the table
+
+
+# --------------------------------------------------------------------------------------------
+# timing on a stream of ours, with CUDA events (cuda-python)
+
+
+class Stream:
+    def __init__(self):
+        from cuda.bindings import runtime as rt
+
+        self.rt = rt
+        self.backend = "cuda"
+        err, self.handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        assert err == rt.cudaError_t.cudaSuccess, err
+
+    def time_ms(self, fn, iters, warmup=10):
+        rt = self.rt
+        for _ in range(warmup):
+            fn()
+        times = []
+        _, start = rt.cudaEventCreate()
+        _, stop = rt.cudaEventCreate()
+        for _ in range(iters):
+            rt.cudaEventRecord(start, self.handle)
+            fn()
+            rt.cudaEventRecord(stop, self.handle)
+            rt.cudaEventSynchronize(stop)
+            err, ms = rt.cudaEventElapsedTime(start, stop)
+            times.append(ms)
+        rt.cudaEventDestroy(start)
+        rt.cudaEventDestroy(stop)
+        return float(np.median(times))
+
+    def copy_bandwidth(self, nbytes=4 << 30):
+        """Device-to-device copy bandwidth in bytes/s (read + write counted, as nvbandwidth does)."""
+        rt = self.rt
+        _, a = rt.cudaMalloc(nbytes)
+        _, b = rt.cudaMalloc(nbytes)
+        copy = lambda: rt.cudaMemcpyAsync(b, a, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.handle)
+        ms = self.time_ms(copy, 20, warmup=3)
+        rt.cudaFree(a)
+        rt.cudaFree(b)
+        return 2 * nbytes / (ms / 1e3)
+
+
+PROFILE = {"on": False, "tables": {}}  # --profile: a per-kernel table of a few steps of each row
+
+
+def profile_steps(key, step, steps=5):
+    """Per-kernel GPU time over `steps` steps (torch.profiler's CUPTI sees every kernel in the process, ours
+    included), as rows {kernel, calls, total_us, per_step_us}, sorted by time."""
+    if not PROFILE["on"]:
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(e.name, [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time
+    table = sorted(({"kernel": k[:90], "calls_per_step": c / steps, "per_step_us": t / steps}
+                    for k, (c, t) in rows.items()), key=lambda r: -r["per_step_us"])
+    PROFILE["tables"][key] = table
+    total = sum(r["per_step_us"] for r in table)
+    print(f"  kernels of one {key} step: {total:.1f} us of GPU time in "
+          f"{sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
+    for r in table[:12]:
+        print(f"    {r['per_step_us']:9.1f} us  {r['calls_per_step']:5.1f}x  {r['kernel']}", flush=True)
+
+
+class HostClock:
+    """--tiny: the host backend, wall-clock timing; checks the script end to end on a machine with no GPU."""
+
+    handle = None
+    backend = "host"
+
+    def time_ms(self, fn, iters, warmup=2):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
+
+    def copy_bandwidth(self, nbytes=1 << 26):
+        a = np.ones(nbytes // 4, np.float32)
+        b = np.empty_like(a)
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        return 2 * nbytes / (time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------
+# pydflash rows
+
+
+def build_target(stream, pool, base, layers, **sizing):
+    cfg = target_config(base, layers)
+    shapes = pydflash.TargetConfig.from_json(cfg).tensor_shapes()
+    tensors = {name: pool.tensor(name, shape) for name, shape in shapes.items()}
+    target = pydflash.Target.from_tensors(cfg, tensors, backend=stream.backend, stream=stream.handle,
+                                          **sizing)
+    return target, weight_bytes(shapes)
+
+
+def build_drafter(stream, pool, base, **sizing):
+    """A standalone drafter (its own copy of embed_tokens / lm_head): no 36-layer target needed to time it."""
+    cfg, target_cfg = drafter_config(base), target_config(base, 36)
+    shapes = pydflash.DrafterConfig.from_json(cfg).tensor_shapes(pydflash.TargetInfo.from_json(target_cfg))
+    tensors = {name: pool.tensor(name, shape) for name, shape in shapes.items()}
+    drafter = pydflash.Drafter.from_tensors(cfg, tensors, target_config=target_cfg, backend=stream.backend,
+                                            stream=stream.handle, **sizing)
+    return drafter, weight_bytes(shapes)  # lm_head included: a propose reads it whole
+
+
+class DeviceRows:
+    """bf16 feature rows in device memory (the target's capture would leave them there)."""
+
+    def __init__(self, pool, rows, width, on_device=True):
+        host = np.ascontiguousarray(pool.bits[:rows * width])
+        self.host, self.width, self.on_device = host.reshape(rows, width), width, on_device
+        if not on_device:
+            return
+        from cuda.bindings import runtime as rt
+
+        self.rt = rt
+        err, self.ptr = rt.cudaMalloc(host.nbytes)
+        assert err == rt.cudaError_t.cudaSuccess, err
+        rt.cudaMemcpy(self.ptr, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice)
+        self.row_bytes = width * 2
+
+    def append(self, seq, first, n):
+        if self.on_device:
+            seq.append_context_device(int(self.ptr) + first * self.row_bytes, n, "bf16")
+        else:
+            seq.append_context(self.host[first:first + n], dtype="bf16")
+
+    def free(self):
+        if self.on_device:
+            self.rt.cudaFree(self.ptr)
+
+
+def bench_propose(stream, pool, base, ctx, iters):
+    """Steady state of a decode loop: 7 committed rows arrive (device to device), then a 16-row block is proposed.
+    The context grows by 7 rows a step (ctx + 7 * (iters + warm-up) at the end)."""
+    steps = iters + 20
+    budget = ctx + 16 + 8 * steps
+    drafter, floor_bytes = build_drafter(stream, pool, base, max_seq_len=budget)
+    rows = DeviceRows(pool, ctx + 7, drafter.feature_width, on_device=stream.backend == "cuda")
+    seq = drafter.new_sequence(budget)
+    rows.append(seq, 0, ctx)
+    state = {"pos": ctx}
+    seq.propose(5, ctx, 15)
+    seq.after_verify(6)
+
+    def step():
+        rows.append(seq, ctx, 7)
+        state["pos"] += 7
+        seq.propose(5, state["pos"], 15)
+        seq.after_verify(6)  # nothing staged (no target verify here): the 7 rows were appended above
+
+    ms = stream.time_ms(step, iters)
+    profile_steps(f"propose {base['hidden_size']} ctx {ctx}", step)
+    seq.close()
+    drafter.close()
+    rows.free()
+    return ms, floor_bytes
+
+
+def bench_target(stream, pool, rows, iters):
+    ctx = CTX["short"]
+    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64, prefill_chunk=256)
+    seq = target.new_sequence(ctx + 64)
+    prompt = np.random.default_rng(2).integers(0, QWEN3_8B["vocab_size"], size=ctx).tolist()
+    token = seq.prefill(prompt)
+    block = [token] + [7] * (rows - 1)
+
+    def step():
+        accepted, _ = seq.verify(block)
+        seq.rollback(accepted + 1)  # back to context ctx
+
+    ms = stream.time_ms(step, iters)
+    profile_steps(f"verify {rows} rows", step)
+    seq.close()
+    target.close()
+    return ms, floor_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# the reference (torch eager, transformers layers, dflash.model), same shapes
+
+
+def reference_available():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        import dflash.model  # noqa: F401
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def torch_time_ms(fn, iters, warmup=10):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def reference_propose(base, ctx, iters):
+    import torch
+    from transformers import Qwen3Config
+    from dflash.model import DFlashDraftModel, _make_cache, _crop_to
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{k: v for k, v in drafter_config(base).items() if k not in ("architectures",)})
+    with torch.device("cuda"):
+        model = DFlashDraftModel(cfg).to(torch.bfloat16).eval()
+        lm_head = torch.nn.Linear(base["hidden_size"], base["vocab_size"], bias=False).to(torch.bfloat16)
+        embed = torch.randn(base["vocab_size"], base["hidden_size"], dtype=torch.bfloat16) * 0.02
+    width = 5 * base["hidden_size"]
+    cache = _make_cache(model.config)
+    with torch.inference_mode():
+        ctx_feats = torch.randn(1, ctx, width, device="cuda", dtype=torch.bfloat16)
+        noise = embed[torch.full((1, 16), 7, device="cuda")]
+        model(target_hidden=ctx_feats, noise_embedding=noise,
+              position_ids=torch.arange(ctx + 16, device="cuda")[None], past_key_values=cache, use_cache=True)
+        _crop_to(cache, ctx)
+        new = torch.randn(1, 7, width, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(ctx, ctx + 7 + 16, device="cuda")[None]
+
+        def step():  # exactly dflash_generate's drafter half (the cache is cropped back each time)
+            h = model(target_hidden=new, noise_embedding=noise, position_ids=pos, past_key_values=cache,
+                      use_cache=True)[:, -15:, :]
+            _crop_to(cache, ctx)
+            return torch.argmax(model.compute_logits(h, lm_head), dim=-1)
+
+        ms = torch_time_ms(step, iters)
+    del model, lm_head, embed, cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+def reference_target(rows, iters):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from dflash.model import _make_cache, _crop_to
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{k: v for k, v in target_config(QWEN3_8B, 36).items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    cache = _make_cache(model.config)
+    with torch.inference_mode():
+        model(torch.randint(0, 151936, (1, 1024), device="cuda"), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        block = torch.randint(0, 151936, (1, rows), device="cuda")
+        pos = torch.arange(1024, 1024 + rows, device="cuda")[None]
+
+        def step():
+            out = model(block, position_ids=pos, past_key_values=cache, use_cache=True)
+            _crop_to(cache, 1024)
+            return torch.argmax(out.logits, dim=-1)
+
+        ms = torch_time_ms(step, iters)
+    del model, cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+# --------------------------------------------------------------------------------------------
+
+ROWS = {
+    "propose8b": ("propose 8B drafter, ctx 1024", 0.90, lambda s, p, it: bench_propose(s, p, QWEN3_8B, CTX["short"], it),
+                  lambda it: reference_propose(QWEN3_8B, CTX["short"], it)),
+    "propose8b_8k": ("propose 8B drafter, ctx 8192", 1.00, lambda s, p, it: bench_propose(s, p, QWEN3_8B, CTX["long"], it),
+                     lambda it: reference_propose(QWEN3_8B, CTX["long"], it)),
+    "propose4b": ("propose 4B drafter, ctx 1024", 0.52, lambda s, p, it: bench_propose(s, p, QWEN3_4B, CTX["short"], it),
+                  lambda it: reference_propose(QWEN3_4B, CTX["short"], it)),
+    "verify": ("verify 8B target, 16 rows, ctx 1024", 4.10, lambda s, p, it: bench_target(s, p, 16, it),
+               lambda it: reference_target(16, it)),
+    "decode": ("decode 8B target, 1 row, ctx 1024", 3.90, lambda s, p, it: bench_target(s, p, 1, it),
+               lambda it: reference_target(1, it)),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a few steps (needs torch)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the host backend: a smoke run, no GPU")
+    args = ap.parse_args(argv)
+
+    if args.tiny:
+        QWEN3_8B.update(TINY)
+        QWEN3_4B.update(TINY, hidden_size=48)
+        CTX.update(short=64, long=160)
+    stream = HostClock() if args.tiny else Stream()
+    PROFILE["on"] = args.profile and not args.tiny
+    bandwidth = stream.copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    pool = RandomPool(QWEN3_8B["vocab_size"] * QWEN3_8B["hidden_size"])  # the largest tensor: embed / lm_head
+    with_reference = not args.no_reference and not args.tiny and reference_available()
+    results = []
+    for key in args.rows.split(","):
+        title, goal_ms, ours, reference = ROWS[key]
+        t0 = time.time()
+        ms, floor_bytes = ours(stream, pool, args.iters)
+        floor_ms = floor_bytes / bandwidth * 1e3
+        row = {"row": key, "title": title, "floor_ms": floor_ms, "bytes": floor_bytes, "ms": ms,
+               "ratio": ms / floor_ms, "goal_ms": goal_ms}
+        if with_reference:
+            try:
+                row["reference_ms"] = reference(max(20, args.iters // 5))
+            except Exception as e:  # the reference is optional; say why it is missing
+                row["reference_error"] = f"{type(e).__name__}: {e}"
+        results.append(row)
+        print(f"{title:40s} floor {floor_ms:6.3f} ms  ours {ms:7.3f} ms  x{ms / floor_ms:5.2f}  goal {goal_ms:.2f}"
+              + (f"  reference {row['reference_ms']:7.2f} ms" if "reference_ms" in row else "")
+              + f"  ({time.time() - t0:.0f} s)", flush=True)
+
+    print()
+    print(f"| step | floor (ms) | pydflash (ms) | / floor | goal (ms) | reference (ms) | vs reference |")
+    print(f"|---|---|---|---|---|---|---|")
+    for r in results:
+        ref = r.get("reference_ms")
+        ref_ms = "-" if ref is None else f"{ref:.2f}"
+        speedup = "-" if ref is None else f"{ref / r['ms']:.1f}x faster"
+        print(f"| {r['title']} | {r['floor_ms']:.3f} | {r['ms']:.3f} | {r['ratio']:.2f}x | {r['goal_ms']:.2f} | "
+              f"{ref_ms} | {speedup} |")
+    report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("--plot needs matplotlib", file=sys.stderr)
+        else:
+            fig, ax = plt.subplots(figsize=(9, 4))
+            x = np.arange(len(results))
+            ax.bar(x - 0.2, [r["floor_ms"] for r in results], 0.4, label="bandwidth floor")
+            ax.bar(x + 0.2, [r["ms"] for r in results], 0.4, label="pydflash")
+            ax.set_xticks(x, [r["row"] for r in results])
+            ax.set_ylabel("ms per step")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
