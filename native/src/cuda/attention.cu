@@ -148,6 +148,219 @@ attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__rest
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core path (head_dim 64 or 128): FlashAttention-2 style with mma.sync m16n8k16.
+// Block = 4 warps over one kv head, one key split and 64 query vectors (a warp owns 16 of them:
+// vector v = query row * group + head within the group). Per chunk of 64 keys the block stages K
+// and V with 16-byte loads (the slot of each key computed once), then each warp computes
+// S = Q K^T (fp32), the online softmax, and O += P V with P rounded to bf16.
+
+constexpr int kTcWarps = 4;
+constexpr int kTcKeys = 64;     // keys per chunk
+constexpr int kTcVectors = 16 * kTcWarps;
+constexpr int kTcPad = 8;       // bf16 per staged row: 16 bytes, keeps ldmatrix rows aligned
+
+__device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kTcWarps * 32)
+attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restrict__ q_positions,
+                    int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                    PagedKeys keys, int64_t keys_per_split, float *out_part, Split *ml_part) {
+    constexpr int kStride = HD + kTcPad;
+    constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
+    constexpr int kDimTiles = HD / 8; // n8 tiles of O
+    __shared__ __align__(16) bf16 k_s[kTcKeys * kStride];
+    __shared__ __align__(16) bf16 v_s[kTcKeys * kStride];
+    __shared__ int64_t slot_s[kTcKeys];
+    __shared__ int32_t kpos_s[kTcKeys];
+
+    const int group = n_heads / n_kv_heads;
+    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, qd = lane & 3;
+    const int n_vec = nq * group;
+    const int vec0 = blockIdx.z * kTcVectors + warp * 16;  // this warp's first query vector
+
+    // Q fragments for the whole kernel; rows g and g + 8 of the warp's 16 vectors.
+    uint32_t qa[kSteps][4];
+    int32_t qpos[2];
+    bool vec_ok[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int v = vec0 + g + 8 * h;
+        vec_ok[h] = v < n_vec;
+        qpos[h] = vec_ok[h] ? q_positions[v / group] : 0;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int v = vec0 + g + 8 * h;
+            uint32_t lo = 0, hi = 0;
+            if (vec_ok[h]) {
+                const bf16 *row = q + int64_t(v / group) * n_heads * HD +
+                                  int64_t(kv_head * group + v % group) * HD + kk * 16 + 2 * qd;
+                lo = *reinterpret_cast<const uint32_t *>(row);
+                hi = *reinterpret_cast<const uint32_t *>(row + 8);
+            }
+            qa[kk][h] = lo;      // a0 (row g) / a1 (row g + 8)
+            qa[kk][2 + h] = hi;  // a2 / a3
+        }
+
+    float o[kDimTiles][4];
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[t][i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const int64_t key_begin = int64_t(split) * keys_per_split;
+    const int64_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+    const int64_t kv_width = int64_t(n_kv_heads) * HD;
+    const bf16 *kc = static_cast<const bf16 *>(keys.k_cache) + int64_t(kv_head) * HD;
+    const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
+    constexpr int kVecsPerRow = HD / 8;  // 16-byte pieces per key row
+
+    for (int64_t chunk = key_begin; chunk < key_end; chunk += kTcKeys) {
+        const int n_keys = int(min(int64_t(kTcKeys), key_end - chunk));
+        __syncthreads();  // the previous chunk is consumed
+        if (threadIdx.x < kTcKeys) {
+            const int j = threadIdx.x;
+            if (j < n_keys) {
+                const int64_t ring = (keys.first_key + chunk + j) % keys.ring_slots;
+                slot_s[j] = int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size +
+                            ring % keys.block_size;
+                kpos_s[j] = keys.slot_positions[ring];
+            } else {
+                slot_s[j] = -1;
+                kpos_s[j] = 0;
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < kTcKeys * kVecsPerRow; i += kTcWarps * 32) {
+            const int j = i / kVecsPerRow, piece = i % kVecsPerRow;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            const int64_t slot = slot_s[j];
+            if (slot >= 0) {
+                kv = *reinterpret_cast<const uint4 *>(kc + slot * kv_width + piece * 8);
+                vv = *reinterpret_cast<const uint4 *>(vc + slot * kv_width + piece * 8);
+            }
+            *reinterpret_cast<uint4 *>(k_s + j * kStride + piece * 8) = kv;
+            *reinterpret_cast<uint4 *>(v_s + j * kStride + piece * 8) = vv;
+        }
+        __syncthreads();
+        if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
+
+        // S = Q K^T: 8 key tiles of 8.
+        float sc[kTcKeys / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < kTcKeys / 8; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[nt][i] = 0.f;
+            const bf16 *krow = k_s + (nt * 8 + g) * kStride + 2 * qd;
+#pragma unroll
+            for (int kk = 0; kk < kSteps; ++kk) {
+                const uint32_t b0 = *reinterpret_cast<const uint32_t *>(krow + kk * 16);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t *>(krow + kk * 16 + 8);
+                mma_bf16_16816(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            }
+        }
+        // Mask, scale, online softmax. c0, c1: row g, keys nt*8 + 2qd (+1); c2, c3: row g + 8.
+        float cmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < kTcKeys / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int h = i >> 1, j = nt * 8 + 2 * qd + (i & 1);
+                const bool ok = vec_ok[h] && j < n_keys && visible(qpos[h], kpos_s[j], causal, window);
+                sc[nt][i] = ok ? sc[nt][i] * scale : -INFINITY;
+                cmax[h] = fmaxf(cmax[h], sc[nt][i]);
+            }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            cmax[h] = fmaxf(cmax[h], __shfl_xor_sync(0xffffffffu, cmax[h], 1));
+            cmax[h] = fmaxf(cmax[h], __shfl_xor_sync(0xffffffffu, cmax[h], 2));
+            const float new_m = fmaxf(m[h], cmax[h]);
+            corr[h] = new_m == -INFINITY || m[h] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
+                                                              : __expf(m[h] - new_m);
+            m[h] = new_m;
+        }
+        float psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < kTcKeys / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int h = i >> 1;
+                const float p = sc[nt][i] == -INFINITY ? 0.f : __expf(sc[nt][i] - m[h]);
+                sc[nt][i] = p;
+                psum[h] += p;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + psum[h];
+#pragma unroll
+        for (int t = 0; t < kDimTiles; ++t) {
+            o[t][0] *= corr[0];
+            o[t][1] *= corr[0];
+            o[t][2] *= corr[1];
+            o[t][3] *= corr[1];
+        }
+        // O += P V: k16 steps over keys; V fragments by ldmatrix.trans from the staged rows.
+#pragma unroll
+        for (int ks = 0; ks < kTcKeys / 16; ++ks) {
+            const uint32_t a0 = pack_bf16(sc[2 * ks][0], sc[2 * ks][1]);
+            const uint32_t a1 = pack_bf16(sc[2 * ks][2], sc[2 * ks][3]);
+            const uint32_t a2 = pack_bf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+            const uint32_t a3 = pack_bf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+            // lanes 0-7 address keys ks*16 + 0..7, lanes 8-15 keys ks*16 + 8..15 (matrix 1)
+            const int key = ks * 16 + (lane & 15);
+#pragma unroll
+            for (int t = 0; t < kDimTiles; ++t) {
+                const uint32_t addr = static_cast<uint32_t>(
+                    __cvta_generic_to_shared(v_s + key * kStride + t * 8));
+                uint32_t b0, b1;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                             : "=r"(b0), "=r"(b1)
+                             : "r"(addr));
+                mma_bf16_16816(o[t], a0, a1, a2, a3, b0, b1);
+            }
+        }
+    }
+    if (vec0 >= n_vec) return;
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int v = vec0 + g + 8 * h;
+        if (!vec_ok[h]) continue;
+        const int row = v / group, head = kv_head * group + v % group;
+        const int64_t idx = (int64_t(split) * nq + row) * n_heads + head;
+#pragma unroll
+        for (int t = 0; t < kDimTiles; ++t) {
+            float2 val = make_float2(o[t][2 * h], o[t][2 * h + 1]);
+            *reinterpret_cast<float2 *>(out_part + idx * HD + t * 8 + 2 * qd) = val;
+        }
+        if (qd == 0) ml_part[idx] = Split{m[h], l[h]};
+    }
+}
+
 // One block per (row, head): merges the splits and writes bf16.
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int splits,
                                          int nq, int n_heads, int hd, bf16 *out) {
@@ -190,6 +403,22 @@ Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t num_keys) {
     return p;
 }
 
+// The tensor-core path: 64 query vectors per block, splits of whole 64-key chunks.
+bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t num_keys) {
+    Plan p;
+    const int64_t vectors = nq * (n_heads / n_kv_heads);
+    p.rows_per_tile = 0;  // unused: tiles are of query vectors
+    p.q_tiles = int((vectors + kTcVectors - 1) / kTcVectors);
+    const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads * p.q_tiles - 1) / (n_kv_heads * p.q_tiles));
+    const int64_t chunks = (num_keys + kTcKeys - 1) / kTcKeys;
+    const int64_t splits = std::max<int64_t>(1, std::min(want, chunks));
+    p.keys_per_split = (chunks + splits - 1) / splits * kTcKeys;
+    p.splits = int((num_keys + p.keys_per_split - 1) / p.keys_per_split);
+    return p;
+}
+
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
            kKeysPerChunk * sizeof(int32_t);
@@ -199,7 +428,8 @@ size_t smem_bytes(int64_t hd) {
 
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t num_keys,
                                int64_t n_kv_heads) {
-    const Plan p = plan(nq, n_heads, n_kv_heads, num_keys);
+    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, num_keys)
+                                    : plan(nq, n_heads, n_kv_heads, num_keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
@@ -215,25 +445,40 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
         fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", n_heads / n_kv_heads,
              " query heads per kv head (supported: up to ", kMaxQueryVectors, ")");
     if (keys.num_keys < 1) fail(DFLASH_STATUS_INTERNAL, "cuda attention: no keys");
-    const Plan p = plan(nq, n_heads, n_kv_heads, keys.num_keys);
+    const bool tc = use_tc(head_dim);
+    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys.num_keys)
+                      : plan(nq, n_heads, n_kv_heads, keys.num_keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.
     auto *ml_part = reinterpret_cast<Split *>(
         (reinterpret_cast<uintptr_t>(out_part + parts * size_t(head_dim)) + 7) & ~uintptr_t(7));
-    const size_t smem = smem_bytes(head_dim);
-    static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
-    if (!raised) {
-        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attention_split_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(smem_bytes(kMaxHeadDim))));
-        raised = true;
+    if (tc) {
+        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
+        if (head_dim == 128)
+            attention_tc_kernel<128><<<grid, kTcWarps * 32, 0, s>>>(
+                q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
+                mask.window, keys, p.keys_per_split, out_part, ml_part);
+        else
+            attention_tc_kernel<64><<<grid, kTcWarps * 32, 0, s>>>(
+                q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
+                mask.window, keys, p.keys_per_split, out_part, ml_part);
+        DFLASH_CUDA_LAUNCHED();
+    } else {
+        const size_t smem = smem_bytes(head_dim);
+        static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
+        if (!raised) {
+            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attention_split_kernel,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   int(smem_bytes(kMaxHeadDim))));
+            raised = true;
+        }
+        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
+        attention_split_kernel<<<grid, kWarps * 32, smem, s>>>(
+            q, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
+            scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
+        DFLASH_CUDA_LAUNCHED();
     }
-    const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
-    attention_split_kernel<<<grid, kWarps * 32, smem, s>>>(
-        q, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
-        scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
-    DFLASH_CUDA_LAUNCHED();
     attention_combine_kernel<<<unsigned(nq * n_heads), 128, 0, s>>>(
         out_part, ml_part, p.splits, int(nq), int(n_heads), int(head_dim), out);
     DFLASH_CUDA_LAUNCHED();
