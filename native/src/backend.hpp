@@ -102,6 +102,24 @@ public:
                            int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                            AttentionMask mask, const PagedKeys &keys, void *out) = 0;
     virtual void add(void *y, const void *x, int64_t n) = 0;  // y += x
+
+    // --- fused ops: the defaults compose the ops above; a backend may do them in one pass, with
+    // the same roundings (the sum is rounded to the activation dtype before it is normed, the
+    // normed head before it is rotated) ---
+    // x[rows, dim] += res (rounded), then y = rms_norm(x) * w. y may alias res (not x).
+    virtual void add_rms_norm(void *x, const void *res, int64_t rows, int64_t dim, WeightView w,
+                              float eps, void *y) {
+        add(x, res, rows * dim);
+        rms_norm(x, rows, 1, dim, dim, w, eps, y, dim);
+    }
+    // In place on x[rows, heads, head_dim] (row stride ld): per-head RMSNorm with w (skipped when
+    // w is nullptr), then RoPE as rope().
+    virtual void head_norm_rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+                                const WeightView *w, float eps, const int32_t *positions,
+                                const float *inv_freq, float attention_factor) {
+        if (w) rms_norm(x, rows, heads, head_dim, ld, *w, eps, x, ld);
+        rope(x, rows, heads, head_dim, ld, positions, inv_freq, attention_factor);
+    }
     // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
     virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;
     // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.

@@ -296,10 +296,8 @@ void Drafter::project_pending(DrafterSeq &seq) {
     for (int l = 0; l < p_.num_layers; ++l) {
         void *k = act(ctx_kv_, int64_t(l) * 2 * kv_width_);
         void *v = act(ctx_kv_, int64_t(l) * 2 * kv_width_ + kv_width_);
-        backend_->rms_norm(k, P, nkv, hd, fused_kv_width_, layers_[l].k_norm, p_.rms_norm_eps,
-                           k, fused_kv_width_);
-        backend_->rope(k, P, nkv, hd, fused_kv_width_, ctx_pos, inv_freq_.as<float>(),
-                       rope_.attention_factor);
+        backend_->head_norm_rope(k, P, nkv, hd, fused_kv_width_, &layers_[l].k_norm, p_.rms_norm_eps,
+                                 ctx_pos, inv_freq_.as<float>(), rope_.attention_factor);
         backend_->kv_write(k, v, P, fused_kv_width_, ctx_slots, kv_width_, k_cache_[l].get(),
                            v_cache_[l].get());
     }
@@ -419,18 +417,17 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
                     x_.get());
     const int64_t kv2 = 2 * kv_width_;
+    // Each layer's input norm is fused with the residual add that ends the layer before it.
+    backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
     for (int l = 0; l < p_.num_layers; ++l) {
         const Layer &layer = layers_[l];
-        backend_->rms_norm(x_.get(), width, 1, H, H, layer.input_norm, eps, xn_.get(), H);
         backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
-        backend_->rms_norm(q_.get(), width, nh, hd, q_width_, layer.q_norm, eps, q_.get(), q_width_);
-        backend_->rope(q_.get(), width, nh, hd, q_width_, d_q_pos, inv_freq_.as<float>(),
-                       rope_.attention_factor);
+        backend_->head_norm_rope(q_.get(), width, nh, hd, q_width_, &layer.q_norm, eps, d_q_pos,
+                                 inv_freq_.as<float>(), rope_.attention_factor);
         // The block's own K/V go through the same (fused) k_proj/v_proj rows as the context.
         backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv_.get(), kv2);
-        backend_->rms_norm(kv_.get(), width, nkv, hd, kv2, layer.k_norm, eps, kv_.get(), kv2);
-        backend_->rope(kv_.get(), width, nkv, hd, kv2, d_q_pos, inv_freq_.as<float>(),
-                       rope_.attention_factor);
+        backend_->head_norm_rope(kv_.get(), width, nkv, hd, kv2, &layer.k_norm, eps, d_q_pos,
+                                 inv_freq_.as<float>(), rope_.attention_factor);
         backend_->kv_write(kv_.get(), act(kv_, kv_width_), width, kv2, d_slots, kv_width_,
                            k_cache_[l].get(), v_cache_[l].get());
         keys.k_cache = k_cache_[l].get();
@@ -439,14 +436,14 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         backend_->attention(q_.get(), width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                             mask, keys, attn_.get());
         backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
-        backend_->add(x_.get(), xn_.get(), width * H);
-        backend_->rms_norm(x_.get(), width, 1, H, H, layer.post_norm, eps, xn_.get(), H);
+        backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
         backend_->gemm(xn_.get(), width, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
         backend_->swiglu(gate_up_.get(), width, p_.intermediate_size, mlp_.get());
         backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
-        backend_->add(x_.get(), xn_.get(), width * H);
+        backend_->add_rms_norm(x_.get(), xn_.get(), width, H,
+                               l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight"), eps,
+                               xn_.get());
     }
-    backend_->rms_norm(x_.get(), width, 1, H, H, weight("norm.weight"), eps, xn_.get(), H);
     if (sample) {  // independent draws from q, which verify then uses as the proposal
         float *q = probs_.as<float>();
         backend_->logits(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,

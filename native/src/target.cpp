@@ -236,19 +236,17 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
 
     backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
     const int64_t kv2 = 2 * kv_width_;
+    const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
+    // Each layer's input norm is fused with the residual add that ends the layer before it.
+    backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
     for (int l = 0; l < p_.num_layers; ++l) {
         const Layer &layer = layers_[size_t(l)];
-        backend_->rms_norm(x_.get(), n, 1, H, H, layer.input_norm, eps, xn_.get(), H);
         backend_->gemm(xn_.get(), n, H, layer.q_proj, q_.get(), q_width_);
         backend_->gemm(xn_.get(), n, H, layer.kv_proj, kv_.get(), kv2);
-        if (p_.arch == DFLASH_ARCH_QWEN3) {
-            backend_->rms_norm(q_.get(), n, nh, hd, q_width_, layer.q_norm, eps, q_.get(), q_width_);
-            backend_->rms_norm(kv_.get(), n, nkv, hd, kv2, layer.k_norm, eps, kv_.get(), kv2);
-        }
-        backend_->rope(q_.get(), n, nh, hd, q_width_, d_pos, inv_freq_.as<float>(),
-                       rope_.attention_factor);
-        backend_->rope(kv_.get(), n, nkv, hd, kv2, d_pos, inv_freq_.as<float>(),
-                       rope_.attention_factor);
+        backend_->head_norm_rope(q_.get(), n, nh, hd, q_width_, qk_norm ? &layer.q_norm : nullptr, eps,
+                                 d_pos, inv_freq_.as<float>(), rope_.attention_factor);
+        backend_->head_norm_rope(kv_.get(), n, nkv, hd, kv2, qk_norm ? &layer.k_norm : nullptr, eps,
+                                 d_pos, inv_freq_.as<float>(), rope_.attention_factor);
         backend_->kv_write(kv_.get(), act(kv_, kv_width_), n, kv2, d_slots, kv_width_,
                            k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
         keys.k_cache = k_cache_[size_t(l)].get();
@@ -256,16 +254,17 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         backend_->attention(q_.get(), n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                             AttentionMask{true, 0}, keys, attn_.get());
         backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
-        backend_->add(x_.get(), xn_.get(), int64_t(n) * H);
-        backend_->rms_norm(x_.get(), n, 1, H, H, layer.post_norm, eps, xn_.get(), H);
+        backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
         backend_->gemm(xn_.get(), n, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
         backend_->swiglu(gate_up_.get(), n, p_.intermediate_size, mlp_.get());
         backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
-        backend_->add(x_.get(), xn_.get(), int64_t(n) * H);
+        const bool last = l + 1 == p_.num_layers;
+        backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
+                               last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm, eps,
+                               xn_.get());
         // HF's hidden_states[l + 1] is this layer's output, except the last, which is normed.
-        if (l + 1 < p_.num_layers) capture_layer(l, x_.get());
+        if (!last) capture_layer(l, x_.get());
     }
-    backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
     capture_layer(p_.num_layers - 1, xn_.get());
 }
 

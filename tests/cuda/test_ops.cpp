@@ -736,6 +736,82 @@ void test_rms_norm() {
 }
 
 // ----------------------------------------------------------------------------------------------
+// add_rms_norm, head_norm_rope (the fused ops; the host runs their composed defaults)
+// ----------------------------------------------------------------------------------------------
+
+void test_add_rms_norm() {
+    Group g("add_rms_norm");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, dim; };
+    std::vector<Shape> shapes = {{1, 64}, {17, 1024}, {16, 4096}, {97, 2560}, {3, 36}};
+    if (g_opt.level == SMOKE) shapes = {{17, 1024}, {3, 36}};
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " dim=", s.dim, " y aliases res"), [&](Case &c) {
+            const size_t n = size_t(s.rows * s.dim);
+            const std::vector<float> x = c.rng.bf16_normal(n, 2.f), r = c.rng.bf16_normal(n, 1.f);
+            std::vector<float> w(size_t(s.dim));
+            for (auto &v : w) v = round_bf16(1.f + c.rng.normal(0.2f));
+            Weight w_h = upload_weight(*H, w, 1, s.dim), w_c = upload_weight(*C, w, 1, s.dim);
+            DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+            DeviceBuffer r_h = upload_act(*H, r), r_c = upload_act(*C, r);
+            H->add_rms_norm(x_h.get(), r_h.get(), s.rows, s.dim, w_h.view, 1e-6f, r_h.get());
+            C->add_rms_norm(x_c.get(), r_c.get(), s.rows, s.dim, w_c.view, 1e-6f, r_c.get());
+            sync(*C);
+            c.close("x (sum)", download_act(*C, x_c.get(), n), download_act(*H, x_h.get(), n), kTolBf16);
+            c.close("y (normed)", download_act(*C, r_c.get(), n), download_act(*H, r_h.get(), n), kTolBf16);
+        });
+}
+
+void test_head_norm_rope() {
+    Group g("head_norm_rope");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, heads, head_dim, pad; bool norm; };
+    std::vector<Shape> shapes = {{1, 32, 128, 0, true}, {16, 8, 128, 8 * 128, true}, {17, 4, 64, 64, true},
+                                 {7, 32, 128, 0, false}, {5, 2, 256, 0, true}, {3, 3, 20, 4, true}};
+    if (g_opt.level == SMOKE) shapes = {{16, 8, 128, 8 * 128, true}, {3, 3, 20, 4, true}};
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " heads=", s.heads, " head_dim=", s.head_dim, " ld=+", s.pad,
+                  s.norm ? "" : " no norm"),
+              [&](Case &c) {
+                  const int64_t ld = s.heads * s.head_dim + s.pad, half = s.head_dim / 2;
+                  const std::vector<float> x = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
+                  std::vector<float> w(size_t(s.head_dim));
+                  for (auto &v : w) v = round_bf16(1.f + c.rng.normal(0.2f));
+                  std::vector<int32_t> pos(size_t(s.rows));
+                  for (auto &p : pos) p = int32_t(c.rng.index(40000));
+                  std::vector<float> inv_freq(static_cast<size_t>(half));
+                  for (int64_t i = 0; i < half; ++i)
+                      inv_freq[size_t(i)] = 1.f / std::pow(1e6f, float(2 * i) / float(s.head_dim));
+                  Weight w_h = upload_weight(*H, w, 1, s.head_dim), w_c = upload_weight(*C, w, 1, s.head_dim);
+                  DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                  DeviceBuffer p_h = upload_vec(*H, pos), p_c = upload_vec(*C, pos);
+                  DeviceBuffer f_h = upload_vec(*H, inv_freq), f_c = upload_vec(*C, inv_freq);
+                  H->head_norm_rope(x_h.get(), s.rows, s.heads, s.head_dim, ld, s.norm ? &w_h.view : nullptr,
+                                    1e-6f, p_h.as<int32_t>(), f_h.as<float>(), 1.f);
+                  C->head_norm_rope(x_c.get(), s.rows, s.heads, s.head_dim, ld, s.norm ? &w_c.view : nullptr,
+                                    1e-6f, p_c.as<int32_t>(), f_c.as<float>(), 1.f);
+                  sync(*C);
+                  const size_t total = size_t(s.rows * ld);
+                  const std::vector<float> all_h = download_act(*H, x_h.get(), total);
+                  const std::vector<float> all_c = download_act(*C, x_c.get(), total);
+                  std::vector<float> got, ref;
+                  int64_t pad_changed = 0;
+                  for (int64_t r = 0; r < s.rows; ++r)
+                      for (int64_t col = 0; col < ld; ++col) {
+                          const size_t i = size_t(r * ld + col);
+                          if (col < s.heads * s.head_dim) {
+                              got.push_back(all_c[i]);
+                              ref.push_back(all_h[i]);
+                          } else if (all_c[i] != x[i]) {
+                              ++pad_changed;
+                          }
+                      }
+                  c.close("x", got, ref, kTolBf16);
+                  c.check(pad_changed == 0, cat(pad_changed, " padding element(s) written"));
+              });
+}
+
+// ----------------------------------------------------------------------------------------------
 // gemm
 // ----------------------------------------------------------------------------------------------
 
@@ -1605,6 +1681,8 @@ int main(int argc, char **argv) {
     test_convert_rows();
     test_embed();
     test_rms_norm();
+    test_add_rms_norm();
+    test_head_norm_rope();
     test_gemm();
     test_rope();
     test_kv_write();

@@ -124,6 +124,18 @@ public:
         cuda::attention(as_bf16(q), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
                         keys, scratch, as_bf16(out), stream_);
     }
+    void add_rms_norm(void *x, const void *res, int64_t rows, int64_t dim, WeightView w, float eps,
+                      void *y) override {
+        cuda::add_rms_norm(as_bf16(x), as_bf16(res), rows, dim, weight_data(w, "add_rms_norm"), eps,
+                           as_bf16(y), stream_);
+    }
+    void head_norm_rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+                        const WeightView *w, float eps, const int32_t *positions,
+                        const float *inv_freq, float attention_factor) override {
+        cuda::head_norm_rope(as_bf16(x), rows, heads, head_dim, ld,
+                             w ? weight_data(*w, "head_norm_rope") : nullptr, eps, positions, inv_freq,
+                             attention_factor, stream_);
+    }
     void add(void *y, const void *x, int64_t n) override {
         cuda::add(as_bf16(y), as_bf16(x), n, stream_);
     }

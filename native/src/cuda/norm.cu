@@ -62,6 +62,48 @@ __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, 
     }
 }
 
+// x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one
+// block per row, 16-byte pieces; a thread owns the same pieces in both passes, so y may alias res.
+__global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps,
+                                    bf16 *y) {
+    __shared__ float scratch[32];
+    uint4 *xr = reinterpret_cast<uint4 *>(x + int64_t(blockIdx.x) * dim);
+    const uint4 *rr = reinterpret_cast<const uint4 *>(res + int64_t(blockIdx.x) * dim);
+    uint4 *out = reinterpret_cast<uint4 *>(y + int64_t(blockIdx.x) * dim);
+    const uint4 *wv = reinterpret_cast<const uint4 *>(w);
+    const int pieces = int(dim / 8);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+        float a[8], b[8];
+        unpack8(xr[i], a);
+        unpack8(rr[i], b);
+        uint4 o;
+        __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            oh[e] = __halves2bfloat162(to_bf16(a[2 * e] + b[2 * e]), to_bf16(a[2 * e + 1] + b[2 * e + 1]));
+            const float2 f = __bfloat1622float2(oh[e]);
+            ss += f.x * f.x;
+            ss += f.y * f.y;
+        }
+        xr[i] = o;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / float(dim) + eps);
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+        float v[8], wf[8];
+        unpack8(xr[i], v);
+        unpack8(wv[i], wf);
+        uint4 o;
+        __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            oh[e] = __halves2bfloat162(to_bf16(wf[2 * e] * (v[2 * e] * inv)),
+                                       to_bf16(wf[2 * e + 1] * (v[2 * e + 1] * inv)));
+        out[i] = o;
+    }
+}
+
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
@@ -81,6 +123,19 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
                                                                      ld_y);
     }
     DFLASH_CUDA_LAUNCHED();
+}
+
+void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
+                  bf16 *y, cudaStream_t s) {
+    if (rows == 0) return;
+    if (dim % 8 == 0 && aligned16(x) && aligned16(res) && aligned16(y) && aligned16(w)) {
+        const unsigned threads = unsigned(std::min<int64_t>(1024, (dim / 8 + 31) / 32 * 32));
+        add_rms_norm_kernel<<<unsigned(rows), threads, 0, s>>>(x, res, dim, w, eps, y);
+        DFLASH_CUDA_LAUNCHED();
+    } else {  // the same roundings in two launches
+        add(x, res, rows * dim, s);
+        rms_norm(x, rows, 1, dim, dim, w, eps, y, dim, s);
+    }
 }
 
 }  // namespace cuda

@@ -28,6 +28,15 @@ void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int3
 void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
               const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s);
 
+// x[rows, dim] += res (bf16-rounded), then y = rms_norm(x) * w; y may alias res
+void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
+                  bf16 *y, cudaStream_t s);
+
+// rope.cu: per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
+void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
+                    const bf16 *w, float eps, const int32_t *positions, const float *inv_freq,
+                    float attention_factor, cudaStream_t s);
+
 // rope.cu: in-place rotate-half RoPE of x[rows, heads, head_dim] (row stride ld)
 void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
           const int32_t *positions, const float *inv_freq, float attention_factor, cudaStream_t s);
