@@ -361,24 +361,33 @@ attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restric
     }
 }
 
-// One block per (row, head): merges the splits and writes bf16.
+// One block per (row, head): merges the splits and writes bf16. The split weights exp(m_s - max)
+// are computed once, in parallel, into shared memory; then each thread sums its dims over the
+// splits with independent loads.
+constexpr int kMaxSplits = 512;
+
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int splits,
                                          int nq, int n_heads, int hd, bf16 *out) {
+    __shared__ float weight_s[kMaxSplits];
+    __shared__ float scratch[32];
     const int64_t idx = blockIdx.x;  // row * n_heads + head
+    const int64_t stride = int64_t(nq) * n_heads;
     float best = -INFINITY;
-    for (int s = 0; s < splits; ++s) best = fmaxf(best, ml_part[s * int64_t(nq) * n_heads + idx].m);
+    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) best = fmaxf(best, ml_part[sp * stride + idx].m);
+    best = block_max(best, scratch);
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const Split sp = ml_part[s * int64_t(nq) * n_heads + idx];
-        if (sp.m != -INFINITY) total += sp.l * __expf(sp.m - best);
+    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
+        const Split part = ml_part[sp * stride + idx];
+        const float wgt = part.m == -INFINITY ? 0.f : __expf(part.m - best);
+        weight_s[sp] = wgt;
+        total += part.l * wgt;
     }
+    total = block_sum(total, scratch);  // its barriers also publish weight_s
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const int64_t part = s * int64_t(nq) * n_heads + idx;
-            const Split sp = ml_part[part];
-            if (sp.m != -INFINITY) acc += out_part[part * hd + d] * __expf(sp.m - best);
-        }
+#pragma unroll 4
+        for (int sp = 0; sp < splits; ++sp)
+            acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
 }
@@ -479,6 +488,7 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
             scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
         DFLASH_CUDA_LAUNCHED();
     }
+    if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
     attention_combine_kernel<<<unsigned(nq * n_heads), 128, 0, s>>>(
         out_part, ml_part, p.splits, int(nq), int(n_heads), int(head_dim), out);
     DFLASH_CUDA_LAUNCHED();
