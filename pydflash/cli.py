@@ -228,6 +228,12 @@ def acceptance_by_position(acceptance_lengths, block_size):
 
 def _bench_prompts(args):
     if args.prompts is None:
+        if args.target is None:  # the embedded default: its own held-out prompts when it is the trained pair
+            from .default_model import default_prompts
+
+            shipped = default_prompts()
+            if shipped:
+                return shipped
         return list(BENCH_PROMPTS)
     path = Path(args.prompts)
     if not path.is_file():
@@ -475,7 +481,9 @@ def build_parser():
                           "drafter's own distribution")
 
     bench = sub.add_parser("bench", help="speculative vs autoregressive decoding over a prompt set")
-    bench.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 8 built-in prompts)")
+    bench.add_argument("--prompts", metavar="FILE",
+                       help="one prompt per line (default: the trained default pair's held-out prompts, "
+                            "else 8 built-in prompts)")
     _add_model_arguments(bench)
     bench.add_argument("--plot", metavar="PNG", help="also draw acceptance per position and tokens/s (matplotlib)")
 

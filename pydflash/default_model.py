@@ -1,14 +1,22 @@
-"""The embedded default model: a small Qwen3 target + DFlash drafter pair (HF layout) that `pydflash generate`
-uses when no --target/--draft is given.
+"""The embedded default model: a small Qwen3 target + DFlash drafter pair (HF layout) that `pydflash generate` and
+`pydflash bench` use when no --target/--draft is given.
 
 The target is byte-level (ids 0..255 are UTF-8 bytes, 256 is EOS, 257 the drafter's mask), so text goes in and
-out without a tokenizer file. The weights are random, drawn deterministically: the pair exercises the whole
-engine (prefill, capture, propose, verify, rollback) but drafts are rarely accepted; a later release ships a
-trained pair under a new VERSION.
+out without a tokenizer file. Two sources, one layout:
 
-Pure numpy: the wheel carries no tools/ directory and the CLI must run offline. Files are written once into
-$XDG_CACHE_HOME/pydflash/default-v1 (~/.cache when unset) through a temporary directory renamed into place, so
-neither an interrupted run nor two concurrent first runs leave a half-written checkpoint behind.
+- the TRAINED pair shipped as package data in pydflash/models/default/{target,draft}/ with prompts.json (held-out
+  prompts for `pydflash bench`), made by tools/train_default.sh (tools/README.md says how); its drafts are
+  accepted, so it shows the speedup;
+- when those files are absent (a checkout without them), a RANDOM pair drawn deterministically with numpy here:
+  it exercises the whole engine (prefill, capture, propose, verify, rollback) but drafts are rarely accepted.
+
+Either is materialised once in $XDG_CACHE_HOME/pydflash/<VERSION> (~/.cache when unset) through a temporary
+directory renamed into place, so neither an interrupted run nor two concurrent first runs leave a half-written
+checkpoint behind. VERSION names the content: the random pair keeps "default-v1"; the trained one is
+TRAINED_VERSION, bumped whenever the shipped files change (a cached copy that no longer matches the shipped files
+in size or config is replaced anyway).
+
+Pure numpy and the standard library: the wheel carries no tools/ directory and the CLI must run offline.
 """
 
 import json
@@ -16,11 +24,16 @@ import os
 import shutil
 import struct
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
 
-VERSION = "default-v1"  # bump whenever anything below changes: caches are keyed by it
+RANDOM_VERSION = "default-v1"  # the generated random pair; bump whenever the generator below changes
+TRAINED_VERSION = "default-v2"  # the shipped trained pair; bump whenever pydflash/models/default changes
+SHIPPED_DIR = Path(__file__).resolve().parent / "models" / "default"
+_SHIPPED_FILES = ("target/config.json", "target/model.safetensors", "draft/config.json", "draft/model.safetensors",
+                  "prompts.json")
 EOS_TOKEN_ID, MASK_TOKEN_ID = 256, 257
 TARGET = {"vocab_size": 258, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256}
@@ -28,9 +41,25 @@ DRAFT = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads"
          "intermediate_size": 256, "block_size": 8, "target_layer_ids": [1, 2]}
 
 
+def shipped_pair_present():
+    """True when the package carries the trained pair (pydflash/models/default, every file)."""
+    return all((SHIPPED_DIR / name).is_file() for name in _SHIPPED_FILES)
+
+
+VERSION = TRAINED_VERSION if shipped_pair_present() else RANDOM_VERSION  # caches are keyed by it
+
+
 def cache_dir():
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pydflash" / VERSION
+
+
+def default_prompts():
+    """The shipped pair's held-out prompts (list of str), or None with the random pair."""
+    if not shipped_pair_present():
+        return None
+    with open(SHIPPED_DIR / "prompts.json", encoding="utf-8") as f:
+        return list(json.load(f)["prompts"])
 
 
 def _bf16_bits(x):
@@ -86,18 +115,47 @@ def _write(directory, config, shapes, seed):
 
 
 def _complete(root):
-    return (root / "target" / "model.safetensors").is_file() and (root / "draft" / "model.safetensors").is_file()
+    if not ((root / "target" / "model.safetensors").is_file() and (root / "draft" / "model.safetensors").is_file()):
+        return False
+    return not shipped_pair_present() or _matches_shipped(root)
+
+
+def _matches_shipped(root):
+    """A cheap identity check of a cached copy: every shipped file there, configs and prompts byte-equal, the
+    weights of equal size."""
+    for name in _SHIPPED_FILES:
+        ours, theirs = root / name, SHIPPED_DIR / name
+        if not ours.is_file():
+            return False
+        if name.endswith(".json"):
+            if ours.read_bytes() != theirs.read_bytes():
+                return False
+        elif ours.stat().st_size != theirs.stat().st_size:
+            return False
+    return True
 
 
 def ensure_default_model(root=None):
-    """(target_dir, draft_dir) of the default pair, writing them first if absent (root: default cache_dir())."""
+    """(target_dir, draft_dir) of the default pair, writing them first if absent (root: default cache_dir()):
+    a copy of the shipped trained pair when the package has one, else the generated random pair."""
     root = Path(root) if root else cache_dir()
     if _complete(root):
         return root / "target", root / "draft"
     root.parent.mkdir(parents=True, exist_ok=True)
+    if shipped_pair_present() and (root / "prompts.json").is_file() and (root / "target" / "config.json").is_file():
+        # a copy of an earlier shipped pair (nothing else: never delete what we did not write): move it aside
+        stale = root.parent / f"{root.name}.stale-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(root, stale)
+        except OSError:
+            pass  # another process moved it first
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
     try:
-        _write_pair(tmp)
+        if shipped_pair_present():
+            _copy_shipped(tmp)
+        else:
+            _write_pair(tmp)
         os.rename(tmp, root)  # atomic: readers see no directory or a complete one
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,6 +166,12 @@ def ensure_default_model(root=None):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root / "target", root / "draft"
+
+
+def _copy_shipped(tmp):
+    for name in _SHIPPED_FILES:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SHIPPED_DIR / name, tmp / name)
 
 
 def _write_pair(tmp):

@@ -240,7 +240,7 @@ class DeviceRows:
 def bench_propose(stream, pool, base, ctx, iters):
     """Steady state of a decode loop: 7 committed rows arrive (device to device), then a 16-row block is proposed.
     The context grows by 7 rows a step (ctx + 7 * (iters + warm-up) at the end)."""
-    steps = iters + 20
+    steps = (iters + 20) * (len(VARIANTS["list"]) + 2) + 30  # every timing (and profile) run appends rows
     budget = ctx + 16 + 8 * steps
     drafter, floor_bytes = build_drafter(stream, pool, base, max_seq_len=budget)
     rows = DeviceRows(pool, ctx + 7, drafter.feature_width, on_device=stream.backend == "cuda")

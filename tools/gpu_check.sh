@@ -27,6 +27,8 @@
 #   --bench "ARGS"       after pytest, run tools/bench.py ARGS (issue 5's speed table; "" for its defaults),
 #                        writing $OUT/bench.json, bench.png and logs/bench.log
 #   --then "CMD"         after the bench, run CMD (bash -c, repo root, PYTHONPATH with pydflash) as stage "then"
+#   --lean               bring back fewer files (no summary.json, bench.png, logs/bench.log), leaving
+#                        room under $OUT for what --then writes (the device tool returns at most 8)
 #   --seed N             test_ops seed (default: the clock; printed and recorded either way)
 #   --budget S           seconds for the whole run (default 560, inside the device tool's 600 s per
 #                        command): a stage that would start with under 20 s left is skipped, and every
@@ -45,7 +47,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 
-QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN=""
+QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN="" LEAN=0
 SANITIZERS=memcheck,racecheck,initcheck,synccheck
 OPS_ARGS="" OPS_SAN_LEVEL=quick PYTEST_ARGS="" SEED="" BUDGET=${GPU_CHECK_BUDGET:-560}
 while [[ $# -gt 0 ]]; do
@@ -57,6 +59,7 @@ while [[ $# -gt 0 ]]; do
         --no-ops) OPS=0 ;;
         --bench) BENCH=1; BENCH_ARGS=$2; shift ;;
         --then) THEN=$2; shift ;;
+        --lean) LEAN=1 ;;
         --sanitizers) SANITIZERS=$2; shift ;;
         --ops-args) OPS_ARGS=$2; shift ;;
         --ops-san-level) OPS_SAN_LEVEL=$2; shift ;;
@@ -182,7 +185,8 @@ summary = {
     "sanitizers": sanitizers,
     "stages": stages,
 }
-json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+if "lean=1" not in flags:
+    json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 
 md = [f"# gpu_check: {'PASS' if summary['ok'] else 'FAIL'}", "",
       f"- device: {device or 'unknown'}; flags: `{flags or '(none)'}`; test_ops seed {seed}; {secs} s", ""]
@@ -210,7 +214,7 @@ EOF
     # Individual logs travel as one archive (the device tool returns at most 8 files).
     tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 }
-ALL_ARGS="quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
+ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
 trap 'summarize "$ALL_ARGS"' EXIT
 
 fail_stage() { OVERALL_OK=0; }
@@ -362,14 +366,16 @@ fi
 # ------------------------------------------------------------------------------------------------
 if (( BENCH && BUILD_OK )); then
     # shellcheck disable=SC2086
+    plot=("--plot" "$OUT_DIR/bench.png")
+    (( LEAN )) && plot=("--plot" "$LOGS/bench.png")
     run_stage bench "$LOGS/bench.log" python3 -P tools/bench.py --json "$OUT_DIR/bench.json" \
-        --plot "$OUT_DIR/bench.png" $BENCH_ARGS
-    cp "$LOGS/bench.log" "$OUT_DIR/logs/bench.log" 2>/dev/null || true
+        "${plot[@]}" $BENCH_ARGS
+    (( LEAN )) || cp "$LOGS/bench.log" "$OUT_DIR/logs/bench.log" 2>/dev/null || true
     record bench "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" bench.log $STAGE_NOTE
     [[ $STAGE_STATUS == ok ]] || fail_stage
 fi
 if [[ -n $THEN ]] && (( BUILD_OK )); then
-    run_stage then "$LOGS/then.log" bash -c "$THEN"
+    run_stage then "$LOGS/then.log" env LOGS="$LOGS" OUT="$OUT_DIR" bash -c "$THEN"
     record then "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" then.log $STAGE_NOTE
     [[ $STAGE_STATUS == ok ]] || fail_stage
 fi

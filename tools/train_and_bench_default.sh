@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# train_and_bench_default.sh: the device half of issue 6, run by gpu_check.sh as its --then stage:
+#
+#   tools/gpu_check.sh ... --then "bash tools/train_and_bench_default.sh 320"
+#
+# 1. tools/train_default.sh BUDGET_S: corpus, target, drafter, held-out acceptance (torch), the pair packed as
+#    $OUT/t/default_pair.tar.part* plus $OUT/t/train_log.json;
+# 2. the trained pair copied into the installed pydflash (its models/default), so the default model is the
+#    trained one;
+# 3. `pydflash bench` on it, cuda and host: mean acceptance, acceptance per position, tokens/s and speedup over
+#    autoregressive decoding, each output checked equal to that backend's autoregressive output. JSON and plots go
+#    to $LOGS (gpu_check packs them into logs/logs.tar.gz), the tables to stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUDGET=${1:-320}
+shift || true  # the rest goes to train_default.py (e.g. --tiny for a CPU check of this script)
+OUT_DIR=${OUT:-build/train_out}
+LOGS=${LOGS:-$OUT_DIR}
+mkdir -p "$OUT_DIR/t" "$LOGS"
+
+train_rc=0
+if [[ ${SKIP_TRAINING:-0} != 1 ]]; then
+    OUT="$OUT_DIR/t" bash tools/train_default.sh "$BUDGET" "$@"
+    train_rc=$?
+fi
+echo "train_and_bench_default: training exited $train_rc"
+
+PAIR=/tmp/pydflash_train/pair
+SITE_PKG=$(python3 -P -c 'import os, pydflash; print(os.path.dirname(pydflash.__file__))')
+if [[ ${SKIP_TRAINING:-0} == 1 ]]; then train_rc=0; fi  # (a re-run of the bench half on a trained pair)
+if [[ ! -f $PAIR/draft/model.safetensors || ! -f $PAIR/prompts.json ]]; then
+    echo "train_and_bench_default: no trained pair in $PAIR; nothing to bench"
+    exit 1
+fi
+rm -rf "$SITE_PKG/models/default"
+mkdir -p "$SITE_PKG/models/default"
+cp -r "$PAIR/target" "$PAIR/draft" "$PAIR/prompts.json" "$SITE_PKG/models/default/"
+export XDG_CACHE_HOME=/tmp/pydflash_cache
+rc=0
+plot=()
+for backend in ${BENCH_BACKENDS:-cuda host}; do
+    echo "=== pydflash bench --backend $backend (trained default pair, its held-out prompts)"
+    python3 -P -c 'import matplotlib' 2>/dev/null && plot=(--plot "$LOGS/default_bench_$backend.png")
+    python3 -P -m pydflash.cli bench --backend "$backend" --max-new-tokens 128 --json "${plot[@]}" \
+        > "$LOGS/default_bench_$backend.json" || rc=1
+    python3 - "$LOGS/default_bench_$backend.json" <<'EOF' || rc=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ("backend", "block_size", "mean_acceptance_length", "spec_tokens_per_second", "ar_tokens_per_second",
+        "speedup", "same_output", "num_prompts")
+print({k: r.get(k) for k in keys})
+print("acceptance rate by position:", [round(x, 3) for x in r.get("acceptance_rate_by_position", [])])
+EOF
+done
+exit $(( train_rc || rc ))
