@@ -66,7 +66,10 @@ def test_generate_text_on_the_default_model(cli, cache_home):
     assert code == 0, err
     assert out.endswith("\n")
     summary = err.strip().splitlines()[-1]
-    for words in ("tokens in", "tok/s", "steps", "mean acceptance", "block 8", "host"):
+    from pydflash import default_model
+
+    block = json.loads((default_model.ensure_default_model()[1] / "config.json").read_text())["block_size"]
+    for words in ("tokens in", "tok/s", "steps", "mean acceptance", f"block {block}", "host"):
         assert words in summary, summary
     assert (cache_home / "pydflash" / VERSION / "target" / "model.safetensors").is_file()
 

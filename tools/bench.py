@@ -110,26 +110,7 @@ class Stream:
         return 2 * nbytes / (ms / 1e3)
 
 
-PROFILE = {"on": False, "tables": {}}
-VARIANTS = {"list": [], "times": {}}  # --gemm-variants: each row also timed under DFLASH_GEMM_VARIANT=v
-
-
-def time_variants(key, stream, step, iters):
-    """The row's time with the library's default kernels, plus one per --gemm-variants value."""
-    import os
-
-    for v in VARIANTS["list"]:  # "VARIANT" or "VARIANT:WANT_QUARTERS"
-        variant, _, want = v.partition(":")
-        os.environ["DFLASH_GEMM_VARIANT"] = variant
-        if want:
-            os.environ["DFLASH_GEMM_WANT"] = want
-        ms = stream.time_ms(step, iters)
-        VARIANTS["times"].setdefault(key, {})[v] = ms
-        print(f"  {key}: gemm variant {v}: {ms:.3f} ms", flush=True)
-        profile_steps(f"{key} @ gemm variant {v}", step, top=6)
-        os.environ.pop("DFLASH_GEMM_WANT", None)
-    os.environ.pop("DFLASH_GEMM_VARIANT", None)
-    return stream.time_ms(step, iters)  # --profile: a per-kernel table of a few steps of each row
+PROFILE = {"on": False, "tables": {}}  # --profile: a per-kernel table of a few steps of each row
 
 
 def profile_steps(key, step, steps=5, top=12):
@@ -240,7 +221,7 @@ class DeviceRows:
 def bench_propose(stream, pool, base, ctx, iters):
     """Steady state of a decode loop: 7 committed rows arrive (device to device), then a 16-row block is proposed.
     The context grows by 7 rows a step (ctx + 7 * (iters + warm-up) at the end)."""
-    steps = (iters + 20) * (len(VARIANTS["list"]) + 2) + 30  # every timing (and profile) run appends rows
+    steps = 2 * (iters + 20) + 30  # every timing (and profile) run appends rows
     budget = ctx + 16 + 8 * steps
     drafter, floor_bytes = build_drafter(stream, pool, base, max_seq_len=budget)
     rows = DeviceRows(pool, ctx + 7, drafter.feature_width, on_device=stream.backend == "cuda")
@@ -256,7 +237,7 @@ def bench_propose(stream, pool, base, ctx, iters):
         seq.propose(5, state["pos"], 15)
         seq.after_verify(6)  # nothing staged (no target verify here): the 7 rows were appended above
 
-    ms = time_variants(f"propose {base['hidden_size']} ctx {ctx}", stream, step, iters)
+    ms = stream.time_ms(step, iters)
     profile_steps(f"propose {base['hidden_size']} ctx {ctx}", step)
     seq.close()
     drafter.close()
@@ -276,7 +257,7 @@ def bench_target(stream, pool, rows, iters):
         accepted, _ = seq.verify(block)
         seq.rollback(accepted + 1)  # back to context ctx
 
-    ms = time_variants(f"verify {rows} rows", stream, step, iters)
+    ms = stream.time_ms(step, iters)
     profile_steps(f"verify {rows} rows", step)
     seq.close()
     target.close()
@@ -398,7 +379,6 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--plot")
-    ap.add_argument("--gemm-variants", default="", help="comma list of DFLASH_GEMM_VARIANT values to time too")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a few steps (needs torch)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the host backend: a smoke run, no GPU")
     args = ap.parse_args(argv)
@@ -409,7 +389,6 @@ def main(argv=None):
         CTX.update(short=64, long=160)
     stream = HostClock() if args.tiny else Stream()
     PROFILE["on"] = args.profile and not args.tiny
-    VARIANTS["list"] = [v for v in args.gemm_variants.split(",") if v]
     bandwidth = stream.copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     pool = RandomPool(QWEN3_8B["vocab_size"] * QWEN3_8B["hidden_size"])  # the largest tensor: embed / lm_head
@@ -441,8 +420,7 @@ def main(argv=None):
         speedup = "-" if ref is None else f"{ref / r['ms']:.1f}x faster"
         print(f"| {r['title']} | {r['floor_ms']:.3f} | {r['ms']:.3f} | {r['ratio']:.2f}x | {r['goal_ms']:.2f} | "
               f"{ref_ms} | {speedup} |")
-    report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"],
-              "gemm_variants": VARIANTS["times"]}
+    report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -18,7 +18,6 @@
 // Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
 // never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
 #include <algorithm>
-#include <cstdlib>
 
 #include "ops.cuh"
 
@@ -51,16 +50,14 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 16 bf16 lane-quad member q loads of row `row` in the 64-wide chunk at c0, as 8 words
-// (zeros past K or for a row out of range). kSplitHalves: k c0 + q*8 .. +7 and c0 + 32 + q*8 ..
-// +7, so each 16-byte load instruction of a quad covers 64 contiguous bytes of the row; else
-// c0 + q*16 .. +15. x and w use the same function, so both see the same relabelling of k.
-template <bool kSplitHalves>
+// The 16 bf16 lane-quad member q loads of row `row` in the 64-wide chunk at c0 (k = c0 + q*16
+// .. +15), as 8 words; zeros past K or for a row out of range. x and w use the same function, so
+// both see the same relabelling of k. (Measured on the H200: this layout with 2 chunks in flight
+// beat a split-halves layout (64 contiguous bytes per quad load) and 4 chunks in flight, by 1-5%.)
 __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld, int64_t row,
                                        bool row_ok, int64_t c0, int q, int64_t K, bool vectorized,
                                        uint32_t out[8]) {
-    const int64_t k_lo = kSplitHalves ? c0 + q * 8 : c0 + q * 16;
-    const int64_t k_hi = kSplitHalves ? c0 + 32 + q * 8 : c0 + q * 16 + 8;
+    const int64_t k_lo = c0 + q * 16, k_hi = k_lo + 8;
     if (row_ok && vectorized && c0 + kChunk <= K) {
         const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(base + row * ld + k_lo));
         const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(base + row * ld + k_hi));
@@ -80,7 +77,7 @@ __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld
 
 // x: [M, ldx] bf16; w: [N, K] bf16. grid = (column blocks, ceil(M / 16)); block = kWarps warps:
 // warp = group * KS + slice; a group owns NT*8 columns; a slice owns a contiguous run of chunks.
-template <int NT, int KS, Epilogue E, bool kSplitHalves, int kUnroll>
+template <int NT, int KS, Epilogue E>
 __global__ void __launch_bounds__(kWarps * 32)
 gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                 int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
@@ -107,18 +104,18 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
         for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
 
     const bool row0_ok = m0 + g < M, row1_ok = m0 + g + 8 < M;
-#pragma unroll kUnroll
+#pragma unroll 2
     for (int64_t c = c_begin; c < c_end; ++c) {
         const int64_t c0 = c * kChunk;
         uint32_t wb[NT][8];
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             const int64_t n = col0 + t * 8 + g;
-            load16<kSplitHalves>(w, K, n, n < N, c0, q, K, vectorized, wb[t]);
+            load16(w, K, n, n < N, c0, q, K, vectorized, wb[t]);
         }
         uint32_t x0[8], x1[8];
-        load16<kSplitHalves>(x, ldx, m0 + g, row0_ok, c0, q, K, vectorized, x0);
-        load16<kSplitHalves>(x, ldx, m0 + g + 8, row1_ok, c0, q, K, vectorized, x1);
+        load16(x, ldx, m0 + g, row0_ok, c0, q, K, vectorized, x0);
+        load16(x, ldx, m0 + g + 8, row1_ok, c0, q, K, vectorized, x1);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
@@ -217,17 +214,6 @@ int sm_count() {
     return cached[device];
 }
 
-// Which kernel variant streams the weights (a tuning experiment, read at every launch so one
-// benchmark process can compare them): DFLASH_GEMM_VARIANT 0 = q*16 layout, unroll 2;
-// 1 = split halves (64 contiguous bytes per quad load), unroll 2; 2 (default) = split halves,
-// unroll 4. Any variant gives the same bits for a row whatever M is.
-int gemm_variant() {
-    const char *v = std::getenv("DFLASH_GEMM_VARIANT");
-    if (!v || !*v) return 2;
-    const int n = std::atoi(v);
-    return n >= 0 && n <= 2 ? n : 2;
-}
-
 // The tiling of an [N, K] weight: the widest column groups (nt) and the fewest k slices (ks)
 // that still give every SM about two blocks. A function of N, K and the SM count only.
 struct Tiling {
@@ -236,16 +222,9 @@ struct Tiling {
     unsigned blocks(int64_t N) const { return unsigned((N + block_cols() - 1) / block_cols()); }
 };
 
-// Blocks wanted per SM, in quarters (a tuning experiment, read at every launch like
-// DFLASH_GEMM_VARIANT): DFLASH_GEMM_WANT, default 7.
-int64_t want_quarters() {
-    const char *v = std::getenv("DFLASH_GEMM_WANT");
-    const int n = v && *v ? std::atoi(v) : 0;
-    return n > 0 && n <= 64 ? n : 7;
-}
-
 Tiling tiling(int64_t N, int64_t K) {
-    const int64_t want = want_quarters() * int64_t(sm_count()) / 4;
+    // ~1.75 blocks of 8 warps per SM (measured on the H200: 1 and 3 per SM were 7-30% slower)
+    const int64_t want = 7 * int64_t(sm_count()) / 4;
     const int64_t chunks = (K + kChunk - 1) / kChunk;
     for (int nt : {4, 2, 1})
         for (int ks : {1, 2, 4, 8}) {
@@ -263,18 +242,10 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int
     const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     const Tiling t = tiling(N, K);
     const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
-    const int variant = gemm_variant();
     auto go = [&](auto nt, auto ks) {
         constexpr int NT = decltype(nt)::value, KS = decltype(ks)::value;
-        if (variant == 0)
-            gemm_mma_kernel<NT, KS, E, false, 2><<<grid, kWarps * 32, 0, s>>>(
-                x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
-        else if (variant == 1)
-            gemm_mma_kernel<NT, KS, E, true, 2><<<grid, kWarps * 32, 0, s>>>(
-                x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
-        else
-            gemm_mma_kernel<NT, KS, E, true, 4><<<grid, kWarps * 32, 0, s>>>(
-                x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
+        gemm_mma_kernel<NT, KS, E><<<grid, kWarps * 32, 0, s>>>(
+            x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
     };
     using std::integral_constant;
     auto by_ks = [&](auto nt) {
