@@ -735,6 +735,29 @@ void test_rms_norm() {
               });
 }
 
+// An in-place op's result over `rows` rows of `width` used elements at row stride ld: the used
+// elements from cuda (got) and host (ref), and how many padding elements cuda changed from `input`.
+struct InPlaceRows {
+    std::vector<float> got, ref;
+    int64_t pad_changed = 0;
+};
+
+InPlaceRows in_place_rows(const std::vector<float> &all_c, const std::vector<float> &all_h,
+                          const std::vector<float> &input, int64_t rows, int64_t ld, int64_t width) {
+    InPlaceRows out;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t col = 0; col < ld; ++col) {
+            const size_t i = size_t(r * ld + col);
+            if (col < width) {
+                out.got.push_back(all_c[i]);
+                out.ref.push_back(all_h[i]);
+            } else if (all_c[i] != input[i]) {
+                ++out.pad_changed;
+            }
+        }
+    return out;
+}
+
 // ----------------------------------------------------------------------------------------------
 // add_rms_norm, head_norm_rope (the fused ops; the host runs their composed defaults)
 // ----------------------------------------------------------------------------------------------
@@ -794,19 +817,9 @@ void test_head_norm_rope() {
                   const size_t total = size_t(s.rows * ld);
                   const std::vector<float> all_h = download_act(*H, x_h.get(), total);
                   const std::vector<float> all_c = download_act(*C, x_c.get(), total);
-                  std::vector<float> got, ref;
-                  int64_t pad_changed = 0;
-                  for (int64_t r = 0; r < s.rows; ++r)
-                      for (int64_t col = 0; col < ld; ++col) {
-                          const size_t i = size_t(r * ld + col);
-                          if (col < s.heads * s.head_dim) {
-                              got.push_back(all_c[i]);
-                              ref.push_back(all_h[i]);
-                          } else if (all_c[i] != x[i]) {
-                              ++pad_changed;
-                          }
-                      }
-                  c.close("x", got, ref, kTolBf16);
+                  const InPlaceRows rows = in_place_rows(all_c, all_h, x, s.rows, ld, s.heads * s.head_dim);
+                  const int64_t pad_changed = rows.pad_changed;
+                  c.close("x", rows.got, rows.ref, kTolBf16);
                   c.check(pad_changed == 0, cat(pad_changed, " padding element(s) written"));
               });
 }
@@ -921,19 +934,9 @@ void test_rope() {
                   const size_t total = size_t(s.rows * ld);
                   const std::vector<float> all_h = download_act(*H, x_h.get(), total);
                   const std::vector<float> all_c = download_act(*C, x_c.get(), total);
-                  std::vector<float> got, ref;
-                  int64_t pad_changed = 0;
-                  for (int64_t r = 0; r < s.rows; ++r)
-                      for (int64_t col = 0; col < ld; ++col) {
-                          const size_t i = size_t(r * ld + col);
-                          if (col < s.heads * s.head_dim) {
-                              got.push_back(all_c[i]);
-                              ref.push_back(all_h[i]);
-                          } else if (all_c[i] != x[i]) {
-                              ++pad_changed;
-                          }
-                      }
-                  c.close("x", got, ref, kTolBf16);
+                  const InPlaceRows rows = in_place_rows(all_c, all_h, x, s.rows, ld, s.heads * s.head_dim);
+                  const int64_t pad_changed = rows.pad_changed;
+                  c.close("x", rows.got, rows.ref, kTolBf16);
                   c.check(pad_changed == 0, cat(pad_changed, " element(s) outside the heads changed"));
               });
 }

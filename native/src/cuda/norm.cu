@@ -29,6 +29,20 @@ __global__ void rms_norm_kernel(const bf16 *x, int64_t groups, int64_t dim, int6
         out[c] = to_bf16(to_float(w[c]) * (to_float(in[c]) * inv));
 }
 
+// 8 packed bf16 of x -> bf16(w * (x * inv)), as rms_norm_kernel rounds each element.
+__device__ __forceinline__ uint4 normed8(const uint4 &x, const uint4 &w, float inv) {
+    float v[8], wf[8];
+    unpack8(x, v);
+    unpack8(w, wf);
+    uint4 o;
+    __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        oh[e] = __halves2bfloat162(to_bf16(wf[2 * e] * (v[2 * e] * inv)),
+                                   to_bf16(wf[2 * e + 1] * (v[2 * e + 1] * inv)));
+    return o;
+}
+
 // The same with 16-byte accesses: dim % 8 == 0, rows 16-byte aligned; blockDim.x = a multiple of
 // 32 covering dim / 8 pieces (most threads own one). Same statistics order for every row count.
 __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
@@ -48,18 +62,7 @@ __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, 
     }
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
-        float v[8], wf[8];
-        unpack8(in[i], v);
-        unpack8(wv[i], wf);
-        uint4 o;
-        __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            oh[e] = __halves2bfloat162(to_bf16(wf[2 * e] * (v[2 * e] * inv)),
-                                       to_bf16(wf[2 * e + 1] * (v[2 * e + 1] * inv)));
-        out[i] = o;
-    }
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(in[i], wv[i], inv);
 }
 
 // x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one
@@ -90,18 +93,7 @@ __global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const
     }
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
-        float v[8], wf[8];
-        unpack8(xr[i], v);
-        unpack8(wv[i], wf);
-        uint4 o;
-        __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            oh[e] = __halves2bfloat162(to_bf16(wf[2 * e] * (v[2 * e] * inv)),
-                                       to_bf16(wf[2 * e + 1] * (v[2 * e + 1] * inv)));
-        out[i] = o;
-    }
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(xr[i], wv[i], inv);
 }
 
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
