@@ -397,34 +397,38 @@ struct Plan {
     int64_t keys_per_split;
 };
 
-Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t num_keys) {
+// Split boundaries sit at fixed key indices: multiples of keys_per_split, which depends only on the
+// ring's capacity and the kv head count, never on how many keys or query rows a call has. A query
+// row then sums the same partials in the same order whether it is verified among 16 rows or decoded
+// alone (masked keys and empty splits add exact zeros), so verify logits equal decode logits bit for
+// bit (DESIGN §5) at any context length. At full capacity the splits x kv heads fill the GPU about
+// twice (264 blocks: 132 SMs).
+int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule) {
+    const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
+    const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
+    return (granules + want - 1) / want * granule;
+}
+
+Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
     Plan p;
     const int64_t group = n_heads / n_kv_heads;
     p.rows_per_tile = int(std::max<int64_t>(1, kMaxQueryVectors / group));
     p.q_tiles = int((nq + p.rows_per_tile - 1) / p.rows_per_tile);
-    // Enough blocks to cover the H200's 132 SMs twice, but at least 64 keys per split.
-    const int64_t want = std::max<int64_t>(1, 264 / std::max<int64_t>(1, n_kv_heads * p.q_tiles));
-    const int64_t max_splits = std::max<int64_t>(1, (num_keys + 63) / 64);
-    p.splits = int(std::min(want, max_splits));
-    p.keys_per_split = (num_keys + p.splits - 1) / p.splits;
-    p.keys_per_split = (p.keys_per_split + kKeysPerChunk - 1) / kKeysPerChunk * kKeysPerChunk;
-    p.splits = int((num_keys + p.keys_per_split - 1) / p.keys_per_split);
+    p.keys_per_split = keys_per_split(std::max<int64_t>(keys.ring_slots, keys.num_keys), n_kv_heads, kKeysPerChunk);
+    p.splits = int((keys.num_keys + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }
 
 // The tensor-core path: 64 query vectors per block, splits of whole 64-key chunks.
 bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t num_keys) {
+Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
     Plan p;
     const int64_t vectors = nq * (n_heads / n_kv_heads);
     p.rows_per_tile = 0;  // unused: tiles are of query vectors
     p.q_tiles = int((vectors + kTcVectors - 1) / kTcVectors);
-    const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads * p.q_tiles - 1) / (n_kv_heads * p.q_tiles));
-    const int64_t chunks = (num_keys + kTcKeys - 1) / kTcKeys;
-    const int64_t splits = std::max<int64_t>(1, std::min(want, chunks));
-    p.keys_per_split = (chunks + splits - 1) / splits * kTcKeys;
-    p.splits = int((num_keys + p.keys_per_split - 1) / p.keys_per_split);
+    p.keys_per_split = keys_per_split(std::max<int64_t>(keys.ring_slots, keys.num_keys), n_kv_heads, kTcKeys);
+    p.splits = int((keys.num_keys + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }
 
@@ -435,10 +439,10 @@ size_t smem_bytes(int64_t hd) {
 
 }  // namespace
 
-size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t num_keys,
-                               int64_t n_kv_heads) {
-    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, num_keys)
-                                    : plan(nq, n_heads, n_kv_heads, num_keys);
+size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
+                               const PagedKeys &keys) {
+    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys)
+                                    : plan(nq, n_heads, n_kv_heads, keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
@@ -455,8 +459,7 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
              " query heads per kv head (supported: up to ", kMaxQueryVectors, ")");
     if (keys.num_keys < 1) fail(DFLASH_STATUS_INTERNAL, "cuda attention: no keys");
     const bool tc = use_tc(head_dim);
-    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys.num_keys)
-                      : plan(nq, n_heads, n_kv_heads, keys.num_keys);
+    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys) : plan(nq, n_heads, n_kv_heads, keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.

@@ -120,7 +120,7 @@ public:
                    int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                    const PagedKeys &keys, void *out) override {
         void *scratch = grow(attention_scratch_, cuda::attention_scratch_bytes(
-                                                     nq, n_heads, head_dim, keys.num_keys, n_kv_heads));
+                                                     nq, n_heads, head_dim, n_kv_heads, keys));
         cuda::attention(as_bf16(q), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
                         keys, scratch, as_bf16(out), stream_);
     }

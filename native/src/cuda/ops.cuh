@@ -57,8 +57,8 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K
                    cudaStream_t s);
 
 // attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
-size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t num_keys,
-                               int64_t n_kv_heads);
+size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
+                               const PagedKeys &keys);
 void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s);
