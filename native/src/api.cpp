@@ -135,6 +135,40 @@ void destroy_target_seq(dflash_target_seq *seq) {
     delete seq;
 }
 
+// --- what the drafter and the target handles share: pool stats, destroy (with every sequence still
+// open) and sequence alloc. Owner is dflash_drafter / dflash_target, Seq its sequence handle. ---
+
+template <typename Owner>
+void owner_pool_stats(Owner *owner, Kind kind, dflash_pool_stats *out) {
+    checked(owner, kind);
+    require(out, "out");
+    require_struct(out->struct_size, sizeof(dflash_pool_stats), "dflash_pool_stats");
+    *out = owner->impl->pool_stats(int32_t(owner->seqs.size()));
+}
+
+template <typename Owner, typename Seq>
+void owner_destroy(Owner *owner, Kind kind, void (*destroy)(Seq *)) {
+    if (!owner) return;
+    checked(owner, kind);
+    for (Seq *seq : owner->seqs) destroy(seq);
+    owner->seqs.clear();
+    unregister_handle(owner);
+    delete owner;
+}
+
+template <typename Seq, typename Owner>
+void owner_seq_alloc(Owner *owner, Kind kind, Kind seq_kind, int32_t budget_tokens, Seq **out) {
+    require(out, "out");
+    *out = nullptr;
+    checked(owner, kind);
+    auto seq = std::make_unique<Seq>();
+    seq->owner = owner;
+    seq->state = owner->impl->alloc_seq(budget_tokens);
+    owner->seqs.insert(seq.get());
+    register_handle(seq.get(), seq_kind);
+    *out = seq.release();
+}
+
 // NULL means greedy; anything else is checked field by field.
 dflash_sampling_params resolve_sampling(const dflash_sampling_params *s) {
     dflash_sampling_params out = dflash_sampling_default_params();
@@ -342,40 +376,18 @@ DFLASH_API dflash_status dflash_drafter_finalize(dflash_drafter *drafter) {
 
 DFLASH_API dflash_status dflash_drafter_pool_stats(dflash_drafter *drafter,
                                                    dflash_pool_stats *out) {
-    return guard([&] {
-        checked(drafter, Kind::Drafter);
-        require(out, "out");
-        require_struct(out->struct_size, sizeof(dflash_pool_stats), "dflash_pool_stats");
-        *out = drafter->impl->pool_stats(int32_t(drafter->seqs.size()));
-    });
+    return guard([&] { owner_pool_stats(drafter, Kind::Drafter, out); });
 }
 
 DFLASH_API dflash_status dflash_drafter_destroy(dflash_drafter *drafter) {
-    return guard([&] {
-        if (!drafter) return;
-        checked(drafter, Kind::Drafter);
-        for (dflash_drafter_seq *seq : drafter->seqs) destroy_seq(seq);
-        drafter->seqs.clear();
-        unregister_handle(drafter);
-        delete drafter;
-    });
+    return guard([&] { owner_destroy(drafter, Kind::Drafter, destroy_seq); });
 }
 
 /* --- sequences --- */
 
 DFLASH_API dflash_status dflash_drafter_seq_alloc(dflash_drafter *drafter, int32_t budget_tokens,
                                                   dflash_drafter_seq **out) {
-    return guard([&] {
-        require(out, "out");
-        *out = nullptr;
-        checked(drafter, Kind::Drafter);
-        auto seq = std::make_unique<dflash_drafter_seq>();
-        seq->owner = drafter;
-        seq->state = drafter->impl->alloc_seq(budget_tokens);
-        drafter->seqs.insert(seq.get());
-        register_handle(seq.get(), Kind::Seq);
-        *out = seq.release();
-    });
+    return guard([&] { owner_seq_alloc(drafter, Kind::Drafter, Kind::Seq, budget_tokens, out); });
 }
 
 DFLASH_API dflash_status dflash_drafter_seq_append_context(dflash_drafter_seq *seq,
@@ -527,38 +539,16 @@ DFLASH_API dflash_status dflash_target_finalize(dflash_target *target) {
 }
 
 DFLASH_API dflash_status dflash_target_pool_stats(dflash_target *target, dflash_pool_stats *out) {
-    return guard([&] {
-        checked(target, Kind::Target);
-        require(out, "out");
-        require_struct(out->struct_size, sizeof(dflash_pool_stats), "dflash_pool_stats");
-        *out = target->impl->pool_stats(int32_t(target->seqs.size()));
-    });
+    return guard([&] { owner_pool_stats(target, Kind::Target, out); });
 }
 
 DFLASH_API dflash_status dflash_target_destroy(dflash_target *target) {
-    return guard([&] {
-        if (!target) return;
-        checked(target, Kind::Target);
-        for (dflash_target_seq *seq : target->seqs) destroy_target_seq(seq);
-        target->seqs.clear();
-        unregister_handle(target);
-        delete target;
-    });
+    return guard([&] { owner_destroy(target, Kind::Target, destroy_target_seq); });
 }
 
 DFLASH_API dflash_status dflash_target_seq_alloc(dflash_target *target, int32_t budget_tokens,
                                                  dflash_target_seq **out) {
-    return guard([&] {
-        require(out, "out");
-        *out = nullptr;
-        checked(target, Kind::Target);
-        auto seq = std::make_unique<dflash_target_seq>();
-        seq->owner = target;
-        seq->state = target->impl->alloc_seq(budget_tokens);
-        target->seqs.insert(seq.get());
-        register_handle(seq.get(), Kind::TargetSeq);
-        *out = seq.release();
-    });
+    return guard([&] { owner_seq_alloc(target, Kind::Target, Kind::TargetSeq, budget_tokens, out); });
 }
 
 DFLASH_API dflash_status dflash_target_seq_prefill(dflash_target_seq *seq, const int32_t *tokens,
