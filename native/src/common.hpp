@@ -113,6 +113,17 @@ inline float load_as_float(const void *data, dflash_dtype dtype, int64_t i) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Rejects a params field outside [lo, hi], naming the struct and the field.
+// A sequence's token budget: 0 means max_seq_len; negative or over max_seq_len is an error naming
+// `owner` ("drafter" / "target").
+inline int32_t sequence_budget(int32_t budget_tokens, int32_t max_seq_len, const char *owner) {
+    if (budget_tokens < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "budget_tokens ", budget_tokens, " is negative");
+    if (budget_tokens > max_seq_len)
+        fail(DFLASH_STATUS_CAPACITY, "budget_tokens ", budget_tokens, " exceeds the ", owner,
+             "'s max_seq_len ", max_seq_len);
+    return budget_tokens ? budget_tokens : max_seq_len;
+}
+
 inline void check_range(const char *params, const char *field, int64_t value, int64_t lo, int64_t hi) {
     if (value < lo || value > hi)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, params, ": ", field, " = ", value, " is outside [", lo,

@@ -222,13 +222,8 @@ dflash_pool_stats Drafter::pool_stats(int32_t live_sequences) const {
 
 std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
     require_finalized("dflash_drafter_seq_alloc");
-    if (budget_tokens < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "budget_tokens ", budget_tokens, " is negative");
-    if (budget_tokens > p_.max_seq_len)
-        fail(DFLASH_STATUS_CAPACITY, "budget_tokens ", budget_tokens,
-             " exceeds the drafter's max_seq_len ", p_.max_seq_len);
     auto seq = std::make_unique<DrafterSeq>();
-    seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
+    seq->budget = sequence_budget(budget_tokens, p_.max_seq_len, "drafter");
     seq->table = BlockTable(backend_.get(), blocks_per_seq_);
     seq->slot_positions.assign(size_t(ring_slots_), -1);
     seq->slot_positions_dev = DeviceBuffer(backend_.get(), size_t(ring_slots_) * sizeof(int32_t));

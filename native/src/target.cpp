@@ -171,13 +171,8 @@ dflash_pool_stats Target::pool_stats(int32_t live_sequences) const {
 
 std::unique_ptr<TargetSeq> Target::alloc_seq(int32_t budget_tokens) {
     require_finalized("dflash_target_seq_alloc");
-    if (budget_tokens < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "budget_tokens ", budget_tokens, " is negative");
-    if (budget_tokens > p_.max_seq_len)
-        fail(DFLASH_STATUS_CAPACITY, "budget_tokens ", budget_tokens,
-             " exceeds the target's max_seq_len ", p_.max_seq_len);
     auto seq = std::make_unique<TargetSeq>();
-    seq->budget = budget_tokens ? budget_tokens : p_.max_seq_len;
+    seq->budget = sequence_budget(budget_tokens, p_.max_seq_len, "target");
     seq->table = BlockTable(backend_.get(), blocks_per_seq_);
     return seq;
 }
