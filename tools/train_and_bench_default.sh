@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train_and_bench_default.sh: the device half of issue 6, run by gpu_check.sh as its --then stage:
 #
-#   tools/gpu_check.sh ... --then "bash tools/train_and_bench_default.sh 320"
+#   tools/gpu_check.sh ... --then "bash tools/train_and_bench_default.sh 420"
 #
 # 1. tools/train_default.sh BUDGET_S: corpus, target, drafter, held-out acceptance (torch), the pair packed as
 #    $OUT/t/default_pair.tar.part* plus $OUT/t/train_log.json;
@@ -12,7 +12,7 @@
 #    to $LOGS (gpu_check packs them into logs/logs.tar.gz), the tables to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUDGET=${1:-320}
+BUDGET=${1:-420}
 shift || true  # the rest goes to train_default.py (e.g. --tiny for a CPU check of this script)
 OUT_DIR=${OUT:-build/train_out}
 LOGS=${LOGS:-$OUT_DIR}

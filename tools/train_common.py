@@ -321,7 +321,24 @@ def apply_rope(x, cos, sin):
 
 
 def _repeat_kv(x, groups):
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    """[b, kv, t, d] -> [b, kv * groups, t, d], head h reading kv head h // groups (repeat_interleave's order;
+    expand + reshape instead, which never waits for the device: repeat_interleave with an int can)."""
+    if groups == 1:
+        return x
+    b, kv, t, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, t, d).reshape(b, kv * groups, t, d)
+
+
+def _sdpa_has_gqa():
+    try:
+        F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                       enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_SDPA_GQA = _sdpa_has_gqa()  # torch >= 2.5: grouped K/V read in place (no copies) where no mask is given
 
 
 class Attention(nn.Module):
@@ -348,10 +365,26 @@ class Attention(nn.Module):
         # Under autocast v is bf16 (a matmul output) while q/k are fp32 (RMSNorm's fp32 weight promotes them):
         # attend in v's dtype, which is what autocast would pick, and a no-op in fp32.
         q, k = q.to(v.dtype), k.to(v.dtype)
-        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.head_dim ** -0.5)
+        if mask is None and groups > 1 and _SDPA_GQA and not torch.is_grad_enabled():  # (training: as it was)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.head_dim ** -0.5,
+                                                 enable_gqa=True)
+        else:
+            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 scale=self.head_dim ** -0.5)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend_one(self, q, k, v, bias):
+        """One query row per sequence against a static cache: q [b, heads, 1, d]; k, v [b, kv_heads, S, d] (all S
+        slots); bias [b, S] fp32, 0 where a slot is visible and -inf where not. Static shapes (CUDA-graph safe),
+        the grouped K/V read in place; scores and softmax in fp32, the products in the cache's dtype."""
+        b, heads, _, d = q.shape
+        g = heads // self.kv_heads
+        qg = q.to(k.dtype).reshape(b, self.kv_heads, g, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (self.head_dim ** -0.5) + bias[:, None, None, :]
+        out = torch.matmul(scores.softmax(-1).to(v.dtype), v)                     # [b, kv, g, d]
+        return self.o_proj(out.reshape(b, 1, heads * d))
 
 
 class MLP(nn.Module):
@@ -379,12 +412,20 @@ class Layer(nn.Module):
 
 
 class KVCache:
-    """Static per-layer K/V [b, kv_heads, capacity, head_dim] for batched greedy rollouts."""
+    """Static per-layer K/V [b, kv_heads, capacity, head_dim] (batched greedy rollouts, cached verification)."""
 
-    def __init__(self, shape: TargetShape, batch, capacity, device, dtype):
-        self.k = [torch.empty(batch, shape.num_kv_heads, capacity, shape.head_dim, device=device, dtype=dtype)
+    def __init__(self, shape: TargetShape, batch, capacity, device, dtype, _kv=None):
+        if _kv is not None:
+            self.k, self.v = _kv
+            return
+        self.k = [torch.zeros(batch, shape.num_kv_heads, capacity, shape.head_dim, device=device, dtype=dtype)
                   for _ in range(shape.num_layers)]
-        self.v = [torch.empty_like(k) for k in self.k]
+        self.v = [torch.zeros_like(k) for k in self.k]
+
+    def view(self, rows=slice(None), slots=slice(None)):
+        """A cache over a part of this one's storage (rows of the batch, the first slots): writes go through."""
+        return KVCache(None, 0, 0, None, None, _kv=([k[rows, :, slots] for k in self.k],
+                                                    [v[rows, :, slots] for v in self.v]))
 
 
 class TargetModel(nn.Module):
@@ -457,6 +498,30 @@ class TargetModel(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 return F.linear(x.float(), self.lm_head.weight.float()), features
         return self.lm_head(x), features
+
+    def decode_one(self, tok, pos, cache, bias):
+        """One greedy-decoding step of a batch, each sequence at its own position: tok [b] are the tokens at
+        positions pos [b] (long, on the device, so that a CUDA graph can replay the step); their K/V go into the
+        cache at slot pos (scatter_, no host sync); the slots whose bias [b, S] is 0 are attended (0 for slots <=
+        pos, -inf after). Returns fp32 logits [b, V] of the next tokens. Same math as forward() with a cache (the
+        attention in attend_one's order), static shapes throughout."""
+        s = self.shape
+        b = tok.shape[0]
+        x = self.model.embed_tokens(tok)[:, None]
+        rope = rope_tables(pos[:, None], s.head_dim, s.rope_theta, x.dtype)                  # [b, 1, d]
+        index = pos.view(b, 1, 1, 1).expand(b, s.num_kv_heads, 1, s.head_dim)
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.project(h, a.q_proj, a.q_norm, a.heads, rope)
+            k = a.project(h, a.k_proj, a.k_norm, a.kv_heads, rope)
+            v = a.project(h, a.v_proj, None, a.kv_heads, None)
+            cache.k[i].scatter_(2, index, k.to(cache.k[i].dtype))
+            cache.v[i].scatter_(2, index, v.to(cache.v[i].dtype))
+            x = layer.finish(x, a.attend_one(q, cache.k[i], cache.v[i], bias))
+        x = self.model.norm(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x[:, 0].float(), self.lm_head.weight.float())
 
 
 class DrafterModel(nn.Module):
@@ -581,21 +646,22 @@ def bf16_rounded(module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# greedy decoding (torch, full recompute per step: simple and exact enough for measuring acceptance)
+# greedy decoding (torch, batch 1, KV-cached like dflash_generate: for measuring acceptance)
 # ---------------------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def greedy_generate(target, prompt_ids, max_new_tokens, stop_ids=(EOS_TOKEN_ID,)):
     device = target.lm_head.weight.device
-    ids = list(prompt_ids)
+    cache = KVCache(target.shape, 1, len(prompt_ids) + max_new_tokens, device, target.lm_head.weight.dtype)
+    logits, _ = target(torch.tensor([list(prompt_ids)], device=device), cache=cache)
     out = []
     for _ in range(max_new_tokens):
-        logits, _ = target(torch.tensor([ids], device=device))
         token = int(logits[0, -1].argmax())
-        ids.append(token)
         out.append(token)
-        if token in stop_ids:
+        if token in stop_ids or len(out) == max_new_tokens:
             break
+        logits, _ = target(torch.tensor([[token]], device=device), cache=cache,
+                           start=len(prompt_ids) + len(out) - 1)
     return out
 
 
@@ -604,15 +670,17 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids=(
     """Greedy speculative decoding step for step as dflash.model.dflash_generate (block widths near the end,
     produced = min(accepted + 1, room), stop-token truncation). Returns (new_ids, acceptance_lengths).
 
-    Each verify recomputes the target over the whole sequence (no KV cache); its captured features of the
-    positions before the next anchor are the context of the next draft (causal, so the same as any later pass)."""
+    The target keeps a KV cache (each verify writes its block at positions start.., the next one overwrites what
+    was rejected); the drafter's context is the captured features of the committed positions, [1, start, F]
+    when it drafts from the anchor at `start` (the prefill's rows, then each verify's first `produced` rows)."""
     device = target.lm_head.weight.device
     ids_of = lambda seq: torch.tensor([seq], device=device)  # noqa: E731
     capture = tuple(drafter.shape.target_layer_ids)
     block_size = block_size or drafter.shape.block_size
     n_in = len(prompt_ids)
     max_length = n_in + max_new_tokens
-    logits, features = target(ids_of(prompt_ids), capture=capture)
+    cache = KVCache(target.shape, 1, max_length + 1, device, target.lm_head.weight.dtype)
+    logits, context = target(ids_of(list(prompt_ids)), capture=capture, cache=cache)
     output = list(prompt_ids) + [int(logits[0, -1].argmax())]
     lengths = []
     start = n_in
@@ -625,10 +693,10 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids=(
             noise_ids = ids_of([output[start]] + [MASK_TOKEN_ID] * (verify_size - 1))
             noise = target.model.embed_tokens(noise_ids)
             positions = torch.arange(start, start + verify_size, device=device)[None]
-            hidden = drafter(features[:, :start], noise, positions)
+            hidden = drafter(context, noise, positions)
             block += target.lm_head(hidden[0, 1:]).argmax(-1).tolist()
-        logits, features = target(ids_of(output[:start] + block), capture=capture)
-        posterior = logits[0, start:].argmax(-1).tolist()
+        logits, features = target(ids_of(block), capture=capture, cache=cache, start=start)
+        posterior = logits[0].argmax(-1).tolist()
         accepted = 0
         while accepted < verify_size - 1 and block[accepted + 1] == posterior[accepted]:
             accepted += 1
@@ -638,6 +706,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids=(
             if token in stop:
                 produced, stopped = i + 1, True
                 break
+        context = torch.cat([context, features[:, :produced]], dim=1)
         start += produced
         output = output[:start + 1]
         lengths.append(produced)

@@ -76,6 +76,34 @@ class Run:
         os.replace(path + ".tmp", path)
 
 
+def _prompt_file_ranges(corpus_dir, prompts):
+    """(offset, length) in the held-out stream of the files the evaluation prompts come from."""
+    _, _, meta = tc.load_corpus(corpus_dir)
+    files = {p["file"] for p in prompts}
+    return [(f["offset"], f["length"]) for f in meta["heldout_files"] if f["key"] in files]
+
+
+def heldout_walk_prompts(corpus_dir, eval_prompts, count, seed):
+    """Up to `count` prompts (bytes) for the drafter's held-out measure and checkpoint choice, drawn by the rules of
+    the evaluation prompts (train_common.extract_prompts: whole code lines of 200..400 bytes ending with a
+    newline) from the held-out files the evaluation prompts do not come from, several per file (other seeds), no
+    per-package limit."""
+    _, heldout, meta = tc.load_corpus(corpus_dir)
+    used = {p["file"] for p in eval_prompts}
+    files = [f for f in meta["heldout_files"] if f["key"] not in used]
+    out, seen = [], set()
+    for s in range(1, 33):
+        for p in tc.extract_prompts(heldout, files, count, seed=1000 * (seed + 1) + s, per_package=10**9):
+            if (p["file"], p["line"]) not in seen:
+                seen.add((p["file"], p["line"]))
+                out.append(p["text"].encode())
+        if len(out) >= count:
+            break
+    tc.log(f"held-out measure prompts: {len(out[:count])} from {len(files)} held-out files (the evaluation "
+           f"prompts' {len(used)} files left out)")
+    return out[:count]
+
+
 def make_prompts(corpus_dir, count, seed):
     _, heldout, meta = tc.load_corpus(corpus_dir)
     prompts = tc.extract_prompts(heldout, meta["heldout_files"], count, seed=seed)
@@ -215,8 +243,9 @@ def tiny_settings():
                    "heldout_windows_count": 16},
         "drafter_shape": tc.DrafterShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                                          intermediate_size=128, block_size=8, target_layer_ids=[0, 1]),
-        "drafter": {"rollout_batch": 64, "max_rollouts": 512, "prompt_lens": (64, 96), "gen_len": 64, "batch": 16,
-                    "anchors_per_seq": 8, "eval_every": 100, "heldout_rollouts": 32, "warmup": 20},
+        "drafter": {"rollout_batch": 64, "max_rollouts": 16384, "window_len": 400, "min_prompt_len": 64,
+                    "cuts_per_window": 4, "gen_len": 48, "batch": 16, "anchors_per_seq": 8, "eval_every": 50,
+                    "heldout_rollouts": 64, "walk_new_tokens": 32, "warmup": 20},
         "eval_prompts": 6, "eval_max_new": [32, 64],
     }
 
@@ -238,12 +267,14 @@ def main(argv=None):
     p.add_argument("--work", default=None, help="corpus and unpacked checkpoints (default: /tmp/pydflash_train)")
     p.add_argument("--budget-s", type=float, default=420.0)
     p.add_argument("--tiny", action="store_true", help="CPU-sized models and corpus, for checking the pipeline")
-    p.add_argument("--target-share", type=float, default=0.6, help="of the training time, for the target")
+    p.add_argument("--target-share", type=float, default=0.42,
+                   help="of the training time (budget - corpus - reserve), for the target; the drafter gets the rest")
     p.add_argument("--reserve-s", type=float, default=None, help="kept for evaluation and packing")
     p.add_argument("--target-steps", type=int, default=None, help="fix the steps (default: from a timing probe)")
     p.add_argument("--drafter-steps", type=int, default=None)
     p.add_argument("--corpus-mb", type=float, default=None)
     p.add_argument("--compile", action="store_true", help="torch.compile the target's training forward")
+    p.add_argument("--no-graphs", action="store_true", help="eager rollout decoding steps (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0, help="target seed; the drafter uses seed + 1")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = p.parse_args(argv)
@@ -285,9 +316,20 @@ def main(argv=None):
         run.stage("pack_target", pack, pair_dir, args.out, _shipped_prompts(prompts))
     drafter = None
     if os.path.exists(os.path.join(target_dir, "model.safetensors")):
+        walk_prompts = []
+        try:  # without them the drafter measures on windows of the held-out stream
+            walk_prompts = heldout_walk_prompts(corpus_dir, prompts, settings["drafter"].get("heldout_rollouts", 512),
+                                                args.seed)
+        except Exception as e:  # noqa: BLE001
+            tc.log(f"held-out measure prompts FAILED: {type(e).__name__}: {e}")
+            run.log["errors"].append({"stage": "heldout_walk_prompts", "error": f"{type(e).__name__}: {e}",
+                                      "traceback": traceback.format_exc()})
+        run.log["heldout_walk_prompts"] = len(walk_prompts)
         drafter = run.stage("drafter", train_drafter.train, target_dir, corpus_dir, draft_dir,
                             shape=settings["drafter_shape"], budget_s=max(10.0, run.left() - reserve),
-                            steps=args.drafter_steps, seed=args.seed + 1, device=device, **settings["drafter"])
+                            steps=args.drafter_steps, seed=args.seed + 1, device=device,
+                            heldout_prompts=walk_prompts, heldout_exclude=_prompt_file_ranges(corpus_dir, prompts),
+                            graphs=not args.no_graphs, **settings["drafter"])
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if os.path.exists(os.path.join(draft_dir, "model.safetensors")) and prompts:
         evals, sizes = {}, sorted(settings["eval_max_new"])
@@ -306,7 +348,11 @@ def main(argv=None):
         "target_train_loss": target and target["final_train_loss"],
         "target_heldout_loss": target and target["final_heldout_loss_bf16"],
         "drafter_steps": drafter and drafter["steps"],
+        "drafter_rollouts": drafter and drafter["rollouts"],
+        "drafter_rollout_tok_per_s": drafter and drafter["train_rollouts"]["speed"]["generated_tok_per_s"],
+        "drafter_best_step": drafter and drafter["best_step"],
         "drafter_heldout_block_tau": drafter and drafter["heldout_block_tau_bf16"],
+        "drafter_heldout_walk_acceptance": drafter and drafter["heldout_walk_acceptance_bf16"],
         "acceptance": run.log.get("acceptance"),
     }
     run.stage("pack", pack, pair_dir, args.out, _shipped_prompts(prompts))
