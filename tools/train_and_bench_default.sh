@@ -41,7 +41,7 @@ plot=()
 for backend in ${BENCH_BACKENDS:-cuda host}; do
     echo "=== pydflash bench --backend $backend (trained default pair, its held-out prompts)"
     python3 -P -c 'import matplotlib' 2>/dev/null && plot=(--plot "$LOGS/default_bench_$backend.png")
-    python3 -P -m pydflash.cli bench --backend "$backend" --max-new-tokens 128 --json "${plot[@]}" \
+    python3 -P -m pydflash.cli bench --backend "$backend" --max-new-tokens 64 --json "${plot[@]}" \
         > "$LOGS/default_bench_$backend.json" || rc=1
     python3 - "$LOGS/default_bench_$backend.json" <<'EOF' || rc=1
 import json, sys
