@@ -113,7 +113,7 @@ class Stream:
 PROFILE = {"on": False, "tables": {}}  # --profile: a per-kernel table of a few steps of each row
 
 
-def profile_steps(key, step, steps=5, top=12):
+def profile_steps(key, step, steps=5):
     """Per-kernel GPU time over `steps` steps (torch.profiler's CUPTI sees every kernel in the process, ours
     included), as rows {kernel, calls, total_us, per_step_us}, sorted by time."""
     if not PROFILE["on"]:
@@ -140,7 +140,7 @@ def profile_steps(key, step, steps=5, top=12):
     total = sum(r["per_step_us"] for r in table)
     print(f"  kernels of one {key} step: {total:.1f} us of GPU time in "
           f"{sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
-    for r in table[:top]:
+    for r in table[:12]:
         print(f"    {r['per_step_us']:9.1f} us  {r['calls_per_step']:5.1f}x  {r['kernel']}", flush=True)
 
 

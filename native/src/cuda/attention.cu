@@ -34,6 +34,14 @@ __device__ __forceinline__ bool visible(int32_t qp, int32_t kp, bool causal, int
     return true;
 }
 
+// Key `logical` (counted from keys.first_key): its ring index and physical cache slot.
+__device__ __forceinline__ int64_t key_ring(const PagedKeys &keys, int64_t logical) {
+    return (keys.first_key + logical) % keys.ring_slots;
+}
+__device__ __forceinline__ int64_t key_slot(const PagedKeys &keys, int64_t ring) {
+    return int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size + ring % keys.block_size;
+}
+
 // q: [nq, n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32; ml_part: [splits, nq, n_heads]
 __global__ void __launch_bounds__(kWarps * 32)
 attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restrict__ q_positions,
@@ -85,9 +93,7 @@ attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__rest
         for (int i = threadIdx.x; i < kKeysPerChunk * hd; i += blockDim.x) {
             const int j = i / hd, d = i % hd;
             if (j < n_keys) {
-                const int64_t ring = (keys.first_key + chunk + j) % keys.ring_slots;
-                const int64_t slot = int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size +
-                                     ring % keys.block_size;
+                const int64_t ring = key_ring(keys, chunk + j), slot = key_slot(keys, ring);
                 k_s[j * ks + d] = kc[slot * kv_width + int64_t(kv_head) * hd + d];
                 v_s[j * ks + d] = vc[slot * kv_width + int64_t(kv_head) * hd + d];
                 if (d == 0) kpos_s[j] = keys.slot_positions[ring];
@@ -160,15 +166,6 @@ constexpr int kTcKeys = 64;     // keys per chunk
 constexpr int kTcVectors = 16 * kTcWarps;
 constexpr int kTcPad = 8;       // bf16 per staged row: 16 bytes, keeps ldmatrix rows aligned
 
-__device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t *>(&v);
@@ -240,9 +237,8 @@ attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restric
         if (threadIdx.x < kTcKeys) {
             const int j = threadIdx.x;
             if (j < n_keys) {
-                const int64_t ring = (keys.first_key + chunk + j) % keys.ring_slots;
-                slot_s[j] = int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size +
-                            ring % keys.block_size;
+                const int64_t ring = key_ring(keys, chunk + j);
+                slot_s[j] = key_slot(keys, ring);
                 kpos_s[j] = keys.slot_positions[ring];
             } else {
                 slot_s[j] = -1;

@@ -81,6 +81,21 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
+// c += A B: one tensor-core mma.sync m16n8k16, bf16 inputs, fp32 accumulators. a0..a3 and b0, b1
+// are the PTX fragments (a0: row g, k 2q..2q+1; a1: row g+8; a2/a3: the same at k+8; b0: k 2q..
+// 2q+1 of column g, b1 at k+8; g = lane / 4, q = lane % 4); c0, c1: row g, columns 2q, 2q+1;
+// c2, c3: row g + 8.
+__device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 inline unsigned grid_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
 }  // namespace dflash

@@ -42,14 +42,6 @@ __device__ __forceinline__ float finish_logit(float v, float multiplier, float s
     return v;
 }
 
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // The 16 bf16 lane-quad member q loads of row `row` in the 64-wide chunk at c0 (k = c0 + q*16
 // .. +15), as 8 words; zeros past K or for a row out of range. x and w use the same function, so
 // both see the same relabelling of k. (Measured on the H200: this layout with 2 chunks in flight
@@ -120,7 +112,8 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
         for (int s = 0; s < 4; ++s) {
             const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
 #pragma unroll
-            for (int t = 0; t < NT; ++t) mma_bf16(acc[t], a, wb[t][2 * s], wb[t][2 * s + 1]);
+            for (int t = 0; t < NT; ++t)
+                mma_bf16_16816(acc[t], a[0], a[1], a[2], a[3], wb[t][2 * s], wb[t][2 * s + 1]);
         }
     }
 
@@ -198,8 +191,6 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
     }
     if (threadIdx.x == 0) tokens[blockIdx.x] = best[0].index;
 }
-
-bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 int sm_count() {
     static int cached[64] = {};

@@ -96,8 +96,6 @@ __global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const
     for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(xr[i], wv[i], inv);
 }
 
-bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 }  // namespace
 
 void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
