@@ -6,9 +6,11 @@
 - Target: greedy decoding on cuda equals the host's token for token until the first position
   where the host's own top-2 margin is within the bf16 error (then the paths may part).
 - Lossless on one backend: cuda speculative output == cuda autoregressive output, exactly.
-- Lifecycle: 10 000 alloc/propose/after_verify/free cycles leave device memory where it started.
+- Lifecycle: 10 000 (DFLASH_TEST_LIFECYCLE_CYCLES) alloc/propose/after_verify/free cycles leave device memory where it started.
 - Out of memory at finalize is a clean error that leaves nothing behind.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,18 @@ from pydflash.checkpoint import load_tensors
 pytestmark = pytest.mark.gpu
 
 BF16_MARGIN = 0.05  # relative to the row's logit scale: larger top-2 gaps must not flip
+
+# Under compute-sanitizer (tools/gpu_check.sh) the four tools run side by side on one GPU: there the
+# lifecycle test runs fewer cycles (each launch is instrumented) and the device-wide memory readings,
+# which the other processes move, are not compared; memcheck's --leak-check full checks for leaks
+# instead. The plain pytest stage runs every cycle and every memory comparison.
+SHARED_GPU = os.environ.get("DFLASH_TEST_SHARED_GPU") == "1"
+LIFECYCLE_CYCLES = int(os.environ.get("DFLASH_TEST_LIFECYCLE_CYCLES", "10000"))
+
+
+def assert_device_memory(now, expected, what):
+    if not SHARED_GPU:
+        assert now == expected, what
 
 
 def device_used_bytes():
@@ -175,15 +189,15 @@ def test_ten_thousand_cycles_return_device_memory(make_pair):
             warm.propose(1, 24, 15)
             warm.after_verify(0)
         during = device_used_bytes()
-        for cycle in range(10_000):
+        for cycle in range(LIFECYCLE_CYCLES):
             with d.new_sequence() as seq:
                 seq.append_context(feats[: 1 + cycle % 24])
                 drafts = seq.propose(cycle % 500, 1 + cycle % 24, 1 + cycle % 15)
                 seq.after_verify(cycle % (len(drafts) + 1))
-        assert device_used_bytes() == during, "steady-state cycles allocated device memory"
+        assert_device_memory(device_used_bytes(), during, "steady-state cycles allocated device memory")
         stats = d.pool_stats()
         assert stats["free_blocks"] == stats["total_blocks"]
-    assert device_used_bytes() == before
+    assert_device_memory(device_used_bytes(), before, "the drafter's memory was not all returned")
 
 
 def test_out_of_memory_is_clean(make_pair):
@@ -195,7 +209,7 @@ def test_out_of_memory_is_clean(make_pair):
         Target.from_pretrained(target_dir, backend="cuda", max_batch=60000, max_seq_len=1 << 16)
     assert info.value.status_name == "DFLASH_STATUS_OUT_OF_MEMORY", info.value
     assert "cudaMalloc" in info.value.message
-    assert device_used_bytes() == before
+    assert_device_memory(device_used_bytes(), before, "a failed create left device memory behind")
     with Target.from_pretrained(target_dir, backend="cuda") as target:  # the GPU still works
         assert len(pydflash.generate(target, None, [1, 2], 4).output_ids) == 4
 

@@ -105,7 +105,8 @@ for kv in extra:
 with open(path, "a") as f:
     f.write(json.dumps(row) + "\n")
 EOF
-    summarize "$ALL_ARGS"  # after every stage, so a run killed later still leaves its summary
+    # after every stage, so a run killed later still leaves its summary (parallel jobs: once, after)
+    [[ ${IN_PARALLEL:-0} == 1 ]] || summarize "$ALL_ARGS"
 }
 
 gpu_memory() {  # "used,total" in MiB, or "" without nvidia-smi
@@ -394,44 +395,64 @@ print(f"errors={sum(found)}" if found else "errors=unknown")
 EOF
 }
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# sanitize_job NAME LOG CMD...: one sanitizer run, meant for the background: its console output goes
+# to LOG.console, its record to stages.jsonl (the summary is rewritten once all jobs are done).
+sanitize_job() {
+    local name=$1 log=$2
+    shift 2
+    IN_PARALLEL=1 run_stage "$name" "$LOGS/$log" "$@" > "$LOGS/$log.console" 2>&1
+    (( STAGE_RC == 5 )) && [[ $name == *:pytest ]] && STAGE_STATUS=ok  # nothing collected
+    local errors
+    errors=$(sanitizer_errors "$LOGS/$log")
+    # shellcheck disable=SC2086
+    IN_PARALLEL=1 record "$name" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" "$log" $STAGE_NOTE $errors
+    echo "=== $name: $STAGE_STATUS (rc $STAGE_RC, $STAGE_SECS s, $errors)"
+}
 if (( SANITIZE )) && (( BUILD_OK )); then
     if [[ ! -x $SANITIZER ]]; then
         echo "gpu_check: compute-sanitizer not found; sanitizer stages not run"
         record sanitizers failed -1 0 - reason=compute-sanitizer-not-found
         fail_stage
     else
+        # Every tool over test_ops and over the GPU pytest suite, all at once: each run is mostly
+        # host-side instrumentation, so side by side they take about as long as the slowest one.
+        # The pytest runs see DFLASH_TEST_SHARED_GPU=1 (device-wide memory readings are not compared
+        # while other processes allocate; memcheck's leak check covers leaks) and a shorter lifecycle
+        # test (SAN_CYCLES, default 300); the plain pytest stage above ran both in full.
         IFS=, read -r -a tools <<< "$SANITIZERS"
         ops_level=()
         [[ $OPS_SAN_LEVEL == default ]] || ops_level=(--"$OPS_SAN_LEVEL")
+        subset=()
+        (( QUICK )) && subset=(-k smoke)
+        echo "=== sanitizers [t=$(elapsed) s]: ${tools[*]}, over test_ops (ops=$OPS) and pytest (pytest=$PYTEST), in parallel"
+        pids=()
         for tool in "${tools[@]}"; do
-            (( OPS )) || break
             extra=()
             [[ $tool == memcheck ]] && extra=(--leak-check full)
-            run_stage "sanitizer:$tool:test_ops" "$LOGS/san_${tool}_test_ops.log" "$SANITIZER" \
-                --tool "$tool" --error-exitcode 1 --print-limit 20 "${extra[@]}" \
-                "$TEST_OPS" --seed "$SEED" "${ops_level[@]}"
-            # shellcheck disable=SC2046
-            record "sanitizer:$tool:test_ops" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" \
-                "san_${tool}_test_ops.log" $STAGE_NOTE $(sanitizer_errors "$LOGS/san_${tool}_test_ops.log")
-            [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
-        done
-        if (( PYTEST )); then
-            subset=()
-            (( QUICK )) && subset=(-k smoke)
-            for tool in "${tools[@]}"; do
-                # test_cuda_ops.py only re-runs test_ops, which was sanitized directly above.
+            san=("$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20 "${extra[@]}")
+            if (( OPS )); then
+                sanitize_job "sanitizer:$tool:test_ops" "san_${tool}_test_ops.log" \
+                    "${san[@]}" "$TEST_OPS" --seed "$SEED" "${ops_level[@]}" &
+                pids+=($!)
+            fi
+            if (( PYTEST )); then
+                # test_cuda_ops.py only re-runs test_ops, which is sanitized directly.
                 # shellcheck disable=SC2086
-                run_stage "sanitizer:$tool:pytest" "$LOGS/san_${tool}_pytest.log" \
-                    "$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20 \
-                    --target-processes all python3 -P -m pytest -m gpu -q -x -p no:cacheprovider \
-                    --ignore=tests/test_cuda_ops.py "${subset[@]}" $PYTEST_ARGS tests
-                (( STAGE_RC == 5 )) && STAGE_STATUS=ok
-                # shellcheck disable=SC2046
-                record "sanitizer:$tool:pytest" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" \
-                    "san_${tool}_pytest.log" $STAGE_NOTE $(sanitizer_errors "$LOGS/san_${tool}_pytest.log")
-                [[ $STAGE_STATUS == ok ]] || fail_stage
-            done
-        fi
+                DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-300} \
+                    sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
+                    "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -q -x \
+                    -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${subset[@]}" $PYTEST_ARGS tests &
+                pids+=($!)
+            fi
+        done
+        (( ${#pids[@]} )) && wait "${pids[@]}"
+        python3 - "$WORK/stages.jsonl" <<'EOF' || fail_stage
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+bad = [r["name"] for r in rows if r["name"].startswith("sanitizer:") and r["status"] not in ("ok", "skipped")]
+sys.exit(1 if bad else 0)
+EOF
+        summarize "$ALL_ARGS"
     fi
 fi
 
