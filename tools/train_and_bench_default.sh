@@ -6,7 +6,7 @@
 # 1. tools/train_default.sh BUDGET_S: corpus, target, drafter, held-out acceptance (torch), the pair packed as
 #    $OUT/t/default_pair.tar.part* plus $OUT/t/train_log.json;
 # 2. the trained pair copied into the installed pydflash (its models/default), so the default model is the
-#    trained one;
+#    trained one (SKIP_TRAINING=1: no training; the pair the package already ships is benched);
 # 3. `pydflash bench` on it, cuda and host: mean acceptance, acceptance per position, tokens/s and speedup over
 #    autoregressive decoding, each output checked equal to that backend's autoregressive output. JSON and plots go
 #    to $LOGS (gpu_check packs them into logs/logs.tar.gz), the tables to stdout.
@@ -28,13 +28,16 @@ echo "train_and_bench_default: training exited $train_rc"
 PAIR=/tmp/pydflash_train/pair
 SITE_PKG=$(python3 -P -c 'import os, pydflash; print(os.path.dirname(pydflash.__file__))')
 if [[ ${SKIP_TRAINING:-0} == 1 ]]; then train_rc=0; fi  # (a re-run of the bench half on a trained pair)
-if [[ ! -f $PAIR/draft/model.safetensors || ! -f $PAIR/prompts.json ]]; then
+if [[ -f $PAIR/draft/model.safetensors && -f $PAIR/prompts.json ]]; then
+    rm -rf "$SITE_PKG/models/default"
+    mkdir -p "$SITE_PKG/models/default"
+    cp -r "$PAIR/target" "$PAIR/draft" "$PAIR/prompts.json" "$SITE_PKG/models/default/"
+elif [[ ${SKIP_TRAINING:-0} == 1 && -f $SITE_PKG/models/default/draft/model.safetensors ]]; then
+    echo "train_and_bench_default: benching the pair the installed package ships ($SITE_PKG/models/default)"
+else
     echo "train_and_bench_default: no trained pair in $PAIR; nothing to bench"
     exit 1
 fi
-rm -rf "$SITE_PKG/models/default"
-mkdir -p "$SITE_PKG/models/default"
-cp -r "$PAIR/target" "$PAIR/draft" "$PAIR/prompts.json" "$SITE_PKG/models/default/"
 export XDG_CACHE_HOME=/tmp/pydflash_cache
 rc=0
 plot=()
