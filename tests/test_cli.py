@@ -61,14 +61,18 @@ def small_pair(tmp_path_factory):
 # generate
 # --------------------------------------------------------------------------------------------------------------
 
+def _default_block_size():
+    from pydflash import default_model
+
+    return json.loads((default_model.ensure_default_model()[1] / "config.json").read_text())["block_size"]
+
+
 def test_generate_text_on_the_default_model(cli, cache_home):
     code, out, err = cli("generate", "def fibonacci(n):", "--max-new-tokens", 16, "--backend", "host")
     assert code == 0, err
     assert out.endswith("\n")
     summary = err.strip().splitlines()[-1]
-    from pydflash import default_model
-
-    block = json.loads((default_model.ensure_default_model()[1] / "config.json").read_text())["block_size"]
+    block = _default_block_size()
     for words in ("tokens in", "tok/s", "steps", "mean acceptance", f"block {block}", "host"):
         assert words in summary, summary
     assert (cache_home / "pydflash" / VERSION / "target" / "model.safetensors").is_file()
@@ -149,7 +153,7 @@ def _error_cases(small_pair, tmp_path):
         (["generate", "hi", "--max-new-tokens", -1], "--max-new-tokens"),
         (["generate", "hi", "--top-p", 0], "top_p"),
         (["generate", "hi", "--temperature", -1], "non-negative"),
-        (["generate", "hi", "--block-size", 9], "block_size 8"),
+        (["generate", "hi", "--block-size", _default_block_size() + 1], f"block_size {_default_block_size()}"),
         (["generate", "hi", "--block-size", 0], "--block-size"),
         (["generate", "--target", broken, "--draft", draft, "--prompt-ids", "1"], "safetensors"),
         (["generate", "hi", "--target", tiny, "--block-size", 1], "pass token ids"),
