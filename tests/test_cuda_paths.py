@@ -6,6 +6,7 @@
 - Target: greedy decoding on cuda equals the host's token for token until the first position
   where the host's own top-2 margin is within the bf16 error (then the paths may part).
 - Lossless on one backend: cuda speculative output == cuda autoregressive output, exactly.
+- CUDA graphs: replayed verify / decode forwards equal the same kernels launched eagerly, bit for bit.
 - Lifecycle: 10 000 (DFLASH_TEST_LIFECYCLE_CYCLES) alloc/propose/after_verify/free cycles leave device memory where it started.
 - Out of memory at finalize is a clean error that leaves nothing behind.
 """
@@ -164,6 +165,54 @@ def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size
         for obj in (target, drafter):
             stats = obj.pool_stats()
             assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def _graph_run(target_dir, draft_dir, seed):
+    """Speculative steps of random widths on two interleaved sequences (greedy and sampled), plus
+    autoregressive decode steps: every (drafts, accepted, next) and the drafter's last hidden
+    states, and how many target forwards were replayed from graphs."""
+    rng = np.random.default_rng(seed)
+    record, replays = [], 0
+    with Target.from_pretrained(target_dir, backend="cuda", max_seq_len=1024, max_batch=3) as target, \
+            Drafter.from_pretrained(draft_dir, target=target, max_seq_len=1024, max_batch=2) as drafter:
+        sampling = [None, pydflash.SamplingParams(temperature=0.8, top_p=0.9, seed=11)]
+        pairs = [(target.new_sequence(), drafter.new_sequence()) for _ in sampling]
+        tokens = []
+        for (tseq, dseq), s in zip(pairs, sampling):
+            prompt = rng.integers(0, 300, size=int(rng.integers(1, 200))).tolist()
+            tokens.append(tseq.prefill(prompt, sampling=s, capture=dseq))
+        ar = target.new_sequence()
+        ar_token = ar.prefill(rng.integers(0, 300, size=70).tolist())
+        for step in range(40):
+            i = step % 2
+            (tseq, dseq), s = pairs[i], sampling[i]
+            nd = int(rng.integers(1, drafter.block_size))
+            drafts = dseq.propose(tokens[i], tseq.info()["length"], nd, sampling=s)
+            accepted, tokens[i] = tseq.verify([tokens[i], *drafts], sampling=s, drafter_seq=dseq)
+            dseq.after_verify(accepted)
+            record.append((drafts, accepted, tokens[i], dseq.read_hidden().tobytes()))
+            _, ar_token = ar.verify([ar_token])
+            record.append(ar_token)
+        for seq in (ar, *[t for t, _ in pairs]):
+            replays += seq.info()["graph_replays"]
+    return record, replays
+
+
+def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
+    """A verify / decode forward replayed from a CUDA graph computes exactly what its kernels launched
+    one by one compute (DFLASH_CUDA_GRAPHS=0): the same drafts, acceptances, bonus tokens and, bit for
+    bit, the drafter hidden states fed by the captured features, over widths that come and go (the
+    attention scratch grows mid-run, which re-records stale graphs) on interleaved sequences."""
+    for case in (0, 1):
+        target_dir, draft_dir = make_pair(900 + case, **CASES[case])
+        monkeypatch.setenv("DFLASH_CUDA_GRAPHS", "1")
+        graphed, replays = _graph_run(target_dir, draft_dir, seed=case)
+        monkeypatch.setenv("DFLASH_CUDA_GRAPHS", "0")
+        eager, eager_replays = _graph_run(target_dir, draft_dir, seed=case)
+        assert eager_replays == 0
+        assert replays >= 39, f"case {case}: only {replays} of 80 forwards were replayed from graphs"
+        for i, (a, b) in enumerate(zip(graphed, eager)):
+            assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
 
 
 def test_cuda_sampling_runs_and_is_seeded(make_pair):

@@ -146,6 +146,12 @@ typedef struct dflash_context_params {
     uint64_t stream;        /* cudaStream_t as an integer; 0 = the library creates its own
                                stream (destroyed with the context). A given stream is borrowed
                                and must outlive the context. Ignored by host. */
+    int32_t cuda_graphs;    /* 1 (default): a target's verify / decode forward is recorded once per
+                               sequence and row count as a CUDA graph and replayed (identical
+                               results, fewer launches); 0: always launched kernel by kernel. The
+                               environment variable DFLASH_CUDA_GRAPHS=0 forces 0 at create.
+                               Ignored by host. While a graph is recorded, no other thread may
+                               enqueue on a given stream. */
 } dflash_context_params;
 
 DFLASH_API dflash_context_params dflash_context_default_params(void);
@@ -309,6 +315,7 @@ typedef struct dflash_target_seq_stats {
     int32_t length;        /* tokens in the KV cache */
     int32_t blocks_held;
     int32_t steps;         /* prefill + verify calls since alloc/reset */
+    int32_t graph_replays; /* forwards replayed from a CUDA graph since alloc (0 on host) */
 } dflash_target_seq_stats;
 
 DFLASH_API dflash_status dflash_target_seq_info(dflash_target_seq *seq,

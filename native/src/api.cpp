@@ -10,6 +10,8 @@
 #include <unordered_map>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend.hpp"
 #include "drafter.hpp"
@@ -254,6 +256,7 @@ DFLASH_API dflash_context_params dflash_context_default_params(void) {
     p.backend = DFLASH_BACKEND_HOST;
     p.device = 0;
     p.stream = 0;
+    p.cuda_graphs = 1;
     return p;
 }
 
@@ -268,7 +271,11 @@ DFLASH_API dflash_status dflash_context_create(const dflash_context_params *para
         switch (params->backend) {
             case DFLASH_BACKEND_HOST: ctx->backend = make_host_backend(); break;
             case DFLASH_BACKEND_CUDA:
-                ctx->backend = make_cuda_backend(params->device, params->stream);
+            {
+                const char *lever = std::getenv("DFLASH_CUDA_GRAPHS");  // a kill switch, read once
+                const bool graphs = params->cuda_graphs != 0 && !(lever && std::strcmp(lever, "0") == 0);
+                ctx->backend = make_cuda_backend(params->device, params->stream, graphs);
+            }
                 break;
             default:
                 fail(DFLASH_STATUS_INVALID_ARGUMENT, "backend ", int(params->backend),

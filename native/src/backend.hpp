@@ -50,6 +50,17 @@ struct PagedKeys {
     int32_t ring_slots = 0;
     int64_t first_key = 0;                  // logical index of the first visible key
     int64_t num_keys = 0;
+    // Non-null: the key count lives here ([1] int32 device) and the kernels read it there, so a
+    // graph replays at any length; num_keys is then the host's copy (checks), and the key splits
+    // are laid over the whole ring (max(ring_slots, num_keys)), not over num_keys.
+    const int32_t *num_keys_device = nullptr;
+};
+
+// A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
+// was captured with: whatever changes between replays must live in device memory.
+class Graph {
+public:
+    virtual ~Graph() = default;
 };
 
 class Backend {
@@ -71,6 +82,16 @@ public:
     virtual void download(void *host_dst, const void *src, size_t bytes) = 0;  // waits
     virtual void copy(void *dst, const void *src, size_t bytes) = 0;
     virtual void synchronize() = 0;
+
+    // --- graphs (DESIGN §5): record the ops enqueued between begin_capture and end_capture ---
+    virtual bool graphs_enabled() const { return false; }
+    virtual void begin_capture() { fail(DFLASH_STATUS_NOT_SUPPORTED, "this backend has no graphs"); }
+    // The recorded ops, instantiated; nullptr when the capture failed (the stream is usable again,
+    // nothing ran: the caller runs the ops eagerly). Always ends the capture.
+    virtual std::unique_ptr<Graph> end_capture() { return nullptr; }
+    virtual void replay(const Graph &) { fail(DFLASH_STATUS_NOT_SUPPORTED, "this backend has no graphs"); }
+    // Changes whenever op scratch is reallocated: graphs captured before another value are stale.
+    virtual uint64_t scratch_epoch() const { return 0; }
 
     // --- ops ---
     // dst[n, width] (act) = src[n, width] (src_dtype; host memory if !src_on_device).
@@ -155,7 +176,8 @@ public:
 
 std::shared_ptr<Backend> make_host_backend();
 // Throws Error(NOT_SUPPORTED) in a host-only build, NO_DEVICE without a device.
-std::shared_ptr<Backend> make_cuda_backend(int device, uint64_t stream);
+// graphs: whether ops may be captured and replayed as CUDA graphs (off: always eager).
+std::shared_ptr<Backend> make_cuda_backend(int device, uint64_t stream, bool graphs);
 int cuda_device_count();  // throws like make_cuda_backend
 bool cuda_compiled();
 const char *cuda_arch_list();

@@ -125,7 +125,7 @@ void Target::finalize() {
         kv(b, r * 2 * size_t(kv_width_) * a), attn(b, r * size_t(q_width_) * a),
         gu(b, r * 2 * I * a), mlp(b, r * I * a),
         logits(b, size_t(p_.max_verify_rows) * V * sizeof(float)),
-        step(b, (4 * r + 2) * sizeof(int32_t));
+        step(b, (4 * r + 3) * sizeof(int32_t));
 
     fused_ = std::move(fused);
     k_cache_ = std::move(k_cache);
@@ -202,7 +202,9 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
     const float eps = p_.rms_norm_eps;
     const int32_t start = seq.length;
-    std::vector<int32_t> args(static_cast<size_t>(3 * n));
+    // Everything that changes from step to step goes to the device in one upload, so the kernels
+    // below (a graph once recorded) read it from there: tokens, positions, slots, the key count.
+    std::vector<int32_t> args(static_cast<size_t>(3 * n + 1));
     for (int32_t j = 0; j < n; ++j) {
         const int32_t pos = start + j;
         args[size_t(j)] = tokens[j];
@@ -210,6 +212,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         args[size_t(2 * n + j)] = seq.table.blocks()[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
                                   pos % DFLASH_KV_BLOCK_SIZE;
     }
+    args[size_t(3 * n)] = start + n;
     int32_t *dev = step_i32_.as<int32_t>();
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
     const int32_t *d_tokens = dev, *d_pos = dev + n, *d_slots = dev + 2 * n;
@@ -220,6 +223,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     keys.ring_slots = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
     keys.first_key = 0;
     keys.num_keys = int64_t(start) + n;
+    keys.num_keys_device = dev + 3 * n;
 
     const int64_t F = capture ? capture->feature_width() : 0;
     const dflash_drafter_params *dp = capture ? &capture->params() : nullptr;
@@ -229,43 +233,57 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                 backend_->copy_rows(rows, H, n, H, act(capture_, idx * H), F);
     };
 
-    backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
-    const int64_t kv2 = 2 * kv_width_;
-    const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
-    // Each layer's input norm is fused with the residual add that ends the layer before it.
-    backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
-    for (int l = 0; l < p_.num_layers; ++l) {
-        const Layer &layer = layers_[size_t(l)];
-        backend_->gemm(xn_.get(), n, H, layer.q_proj, q_.get(), q_width_);
-        backend_->gemm(xn_.get(), n, H, layer.kv_proj, kv_.get(), kv2);
-        backend_->head_norm_rope(q_.get(), n, nh, hd, q_width_, qk_norm ? &layer.q_norm : nullptr, eps,
-                                 d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-        backend_->head_norm_rope(kv_.get(), n, nkv, hd, kv2, qk_norm ? &layer.k_norm : nullptr, eps,
-                                 d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-        backend_->kv_write(kv_.get(), act(kv_, kv_width_), n, kv2, d_slots, kv_width_,
-                           k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
-        keys.k_cache = k_cache_[size_t(l)].get();
-        keys.v_cache = v_cache_[size_t(l)].get();
-        backend_->attention(q_.get(), n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
-                            AttentionMask{true, 0}, keys, attn_.get());
-        backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
-        backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
-        backend_->gemm(xn_.get(), n, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
-        backend_->swiglu(gate_up_.get(), n, p_.intermediate_size, mlp_.get());
-        backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
-        const bool last = l + 1 == p_.num_layers;
-        backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
-                               last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm, eps,
-                               xn_.get());
-        // HF's hidden_states[l + 1] is this layer's output, except the last, which is normed.
-        if (!last) capture_layer(l, x_.get());
+    auto ops = [&] {
+        backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
+        const int64_t kv2 = 2 * kv_width_;
+        const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
+        // Each layer's input norm is fused with the residual add that ends the layer before it.
+        backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
+        for (int l = 0; l < p_.num_layers; ++l) {
+            const Layer &layer = layers_[size_t(l)];
+            backend_->gemm(xn_.get(), n, H, layer.q_proj, q_.get(), q_width_);
+            backend_->gemm(xn_.get(), n, H, layer.kv_proj, kv_.get(), kv2);
+            backend_->head_norm_rope(q_.get(), n, nh, hd, q_width_, qk_norm ? &layer.q_norm : nullptr, eps,
+                                     d_pos, inv_freq_.as<float>(), rope_.attention_factor);
+            backend_->head_norm_rope(kv_.get(), n, nkv, hd, kv2, qk_norm ? &layer.k_norm : nullptr, eps,
+                                     d_pos, inv_freq_.as<float>(), rope_.attention_factor);
+            backend_->kv_write(kv_.get(), act(kv_, kv_width_), n, kv2, d_slots, kv_width_,
+                               k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
+            keys.k_cache = k_cache_[size_t(l)].get();
+            keys.v_cache = v_cache_[size_t(l)].get();
+            backend_->attention(q_.get(), n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                                AttentionMask{true, 0}, keys, attn_.get());
+            backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
+            backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
+            backend_->gemm(xn_.get(), n, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);
+            backend_->swiglu(gate_up_.get(), n, p_.intermediate_size, mlp_.get());
+            backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
+            const bool last = l + 1 == p_.num_layers;
+            backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
+                                   last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm,
+                                   eps, xn_.get());
+            // HF's hidden_states[l + 1] is this layer's output, except the last, which is normed.
+            if (!last) capture_layer(l, x_.get());
+        }
+        capture_layer(p_.num_layers - 1, xn_.get());
+    };
+    if (n > p_.max_verify_rows) {  // a prefill chunk: one-off shapes, not worth a graph
+        ops();
+        return;
     }
-    capture_layer(p_.num_layers - 1, xn_.get());
+    ForwardKey key;
+    key.rows = n;
+    if (dp) {
+        key.capture = capture_.get();
+        key.capture_width = F;
+        key.capture_layers.assign(dp->target_layer_ids, dp->target_layer_ids + dp->num_target_layer_ids);
+    }
+    seq.graphs.run(*backend_, key, ops);
 }
 
 // Picks the next token from hidden row `row` of xn_ (greedy, or a sample with `key`).
 int32_t Target::choose_last(const dflash_sampling_params &sampling, int32_t row, RngKey key) {
-    int32_t *result = step_i32_.as<int32_t>() + 4 * max_rows_;
+    int32_t *result = step_result();
     const void *h = act(xn_, int64_t(row) * p_.hidden_size);
     if (sampling.temperature > 0) {
         float *probs = logits_.as<float>();
@@ -366,9 +384,8 @@ std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens
     forward(seq, tokens, n, drafter_seq ? drafter : nullptr);
     const float *q = drafter_seq ? drafter->stage(*drafter_seq, capture_.get(), n) : nullptr;
 
-    int32_t *dev = step_i32_.as<int32_t>();
-    const int32_t *d_tokens = dev;  // forward uploaded the tokens first
-    int32_t *posterior = dev + 3 * max_rows_, *result = dev + 4 * max_rows_;
+    const int32_t *d_tokens = step_i32_.as<int32_t>();  // forward uploaded the tokens first
+    int32_t *posterior = step_posterior(), *result = step_result();
     if (sampling.temperature > 0) {
         float *p = logits_.as<float>();
         backend_->logits(xn_.get(), n, lm_head(), 1.f, 0.f, p);
@@ -404,6 +421,7 @@ dflash_target_seq_stats Target::info(const TargetSeq &seq) const {
     s.length = seq.length;
     s.blocks_held = seq.table.size();
     s.steps = seq.steps;
+    s.graph_replays = int32_t(seq.graphs.replays());
     return s;
 }
 

@@ -10,15 +10,30 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend.hpp"
 #include "drafter.hpp"
+#include "graph_cache.hpp"
 #include "kv_cache.hpp"
 #include "rope.hpp"
 #include "weights.hpp"
 
 namespace dflash {
+
+// What a forward's recorded kernels depend on besides the sequence: the row count and where (and
+// from which layers) the drafter's features are captured.
+struct ForwardKey {
+    int32_t rows = 0;
+    const void *capture = nullptr;        // the capture buffer, or nullptr
+    int64_t capture_width = 0;
+    std::vector<int32_t> capture_layers;  // the drafter's target_layer_ids
+    bool operator<(const ForwardKey &o) const {
+        return std::tie(rows, capture, capture_width, capture_layers) <
+               std::tie(o.rows, o.capture, o.capture_width, o.capture_layers);
+    }
+};
 
 struct TargetSeq {
     int32_t budget = 0;
@@ -26,6 +41,7 @@ struct TargetSeq {
     int32_t length = 0;            // tokens whose K/V are committed
     uint64_t rng_counter = 0;      // prefill/verify calls drawn so far
     int32_t steps = 0;
+    GraphCache<ForwardKey> graphs; // verify / decode forwards (kept across reset: same buffers)
 };
 
 class Target {
@@ -84,7 +100,11 @@ private:
     DeviceBuffer inv_freq_, key_positions_;  // key_positions_: 0, 1, 2, ... (slot r is position r)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, logits_, capture_;
     int64_t capture_width_ = 0;
-    DeviceBuffer step_i32_;  // tokens, positions, slots, posterior, result
+    // [3 * rows + 1] a forward's arguments: tokens, positions, slots, key count; then
+    // [max_rows] posterior and [2] result (step_posterior / step_result)
+    DeviceBuffer step_i32_;
+    int32_t *step_posterior() const { return step_i32_.as<int32_t>() + 3 * max_rows_ + 1; }
+    int32_t *step_result() const { return step_posterior() + max_rows_; }
 };
 
 }  // namespace dflash

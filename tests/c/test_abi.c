@@ -756,6 +756,7 @@ static void group_defaults(void)
     CHECK(cp.backend == DFLASH_BACKEND_HOST);
     CHECK(cp.device == 0);
     CHECK(cp.stream == 0);
+    CHECK(cp.cuda_graphs == 1);
     CHECK(p.struct_size == sizeof(dflash_drafter_params));
     CHECK(p.num_layers == 0 && p.hidden_size == 0 && p.vocab_size == 0);
     CHECK(p.rms_norm_eps == 1e-6f);

@@ -1662,7 +1662,7 @@ int main(int argc, char **argv) {
                     g_opt.fault.empty() ? "" : cat(", with a fault injected into ", g_opt.fault).c_str());
     } else {
         try {
-            cuda = make_cuda_backend(0, 0);
+            cuda = make_cuda_backend(0, 0, false);
         } catch (const Error &e) {
             std::printf("SKIP: no usable CUDA device: %s: %s\n", dflash_status_string(e.status()),
                         e.what());

@@ -34,6 +34,11 @@ __device__ __forceinline__ bool visible(int32_t qp, int32_t kp, bool causal, int
     return true;
 }
 
+// How many keys this call sees: from device memory when the caller keeps it there (graphs).
+__device__ __forceinline__ int64_t key_count(const PagedKeys &keys) {
+    return keys.num_keys_device ? int64_t(*keys.num_keys_device) : keys.num_keys;
+}
+
 // Key `logical` (counted from keys.first_key): its ring index and physical cache slot.
 __device__ __forceinline__ int64_t key_ring(const PagedKeys &keys, int64_t logical) {
     return (keys.first_key + logical) % keys.ring_slots;
@@ -83,7 +88,7 @@ attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__rest
     }
 
     const int64_t key_begin = int64_t(split) * keys_per_split;
-    const int64_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+    const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
     const int64_t kv_width = int64_t(n_kv_heads) * hd;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache);
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache);
@@ -225,7 +230,7 @@ attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restric
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     const int64_t key_begin = int64_t(split) * keys_per_split;
-    const int64_t key_end = min(keys.num_keys, key_begin + keys_per_split);
+    const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
     const int64_t kv_width = int64_t(n_kv_heads) * HD;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache) + int64_t(kv_head) * HD;
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
@@ -399,32 +404,41 @@ struct Plan {
 // alone (masked keys and empty splits add exact zeros), so verify logits equal decode logits bit for
 // bit (DESIGN §5) at any context length. At full capacity the splits x kv heads fill the GPU about
 // twice (264 blocks: 132 SMs).
+//
+// With the key count in device memory (keys.num_keys_device) the grid covers the whole ring, so
+// one recorded graph serves every length; splits past the last key are empty and add zeros.
 int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule) {
     const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
     const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
     return (granules + want - 1) / want * granule;
 }
 
-Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
+int64_t capacity(const PagedKeys &keys) { return std::max<int64_t>(keys.ring_slots, keys.num_keys); }
+// The keys the grid's splits span: those of this call, or the whole ring when the count is read on
+// the device.
+int64_t covered(const PagedKeys &keys) { return keys.num_keys_device ? capacity(keys) : keys.num_keys; }
+
+// `span`: the keys the splits cover (covered(keys) for a launch).
+Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys, int64_t span) {
     Plan p;
     const int64_t group = n_heads / n_kv_heads;
     p.rows_per_tile = int(std::max<int64_t>(1, kMaxQueryVectors / group));
     p.q_tiles = int((nq + p.rows_per_tile - 1) / p.rows_per_tile);
-    p.keys_per_split = keys_per_split(std::max<int64_t>(keys.ring_slots, keys.num_keys), n_kv_heads, kKeysPerChunk);
-    p.splits = int((keys.num_keys + p.keys_per_split - 1) / p.keys_per_split);
+    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kKeysPerChunk);
+    p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }
 
 // The tensor-core path: 64 query vectors per block, splits of whole 64-key chunks.
 bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
+Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys, int64_t span) {
     Plan p;
     const int64_t vectors = nq * (n_heads / n_kv_heads);
     p.rows_per_tile = 0;  // unused: tiles are of query vectors
     p.q_tiles = int((vectors + kTcVectors - 1) / kTcVectors);
-    p.keys_per_split = keys_per_split(std::max<int64_t>(keys.ring_slots, keys.num_keys), n_kv_heads, kTcKeys);
-    p.splits = int((keys.num_keys + p.keys_per_split - 1) / p.keys_per_split);
+    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kTcKeys);
+    p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }
 
@@ -437,8 +451,10 @@ size_t smem_bytes(int64_t hd) {
 
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys) {
-    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys)
-                                    : plan(nq, n_heads, n_kv_heads, keys);
+    // Sized for splits over the whole ring whatever this call covers: a context that grows then
+    // never reallocates it (which would make every recorded graph stale).
+    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys, capacity(keys))
+                                    : plan(nq, n_heads, n_kv_heads, keys, capacity(keys));
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
@@ -455,7 +471,8 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
              " query heads per kv head (supported: up to ", kMaxQueryVectors, ")");
     if (keys.num_keys < 1) fail(DFLASH_STATUS_INTERNAL, "cuda attention: no keys");
     const bool tc = use_tc(head_dim);
-    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys) : plan(nq, n_heads, n_kv_heads, keys);
+    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys, covered(keys))
+                      : plan(nq, n_heads, n_kv_heads, keys, covered(keys));
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.

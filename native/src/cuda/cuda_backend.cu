@@ -24,9 +24,16 @@ const bf16 *weight_data(const WeightView &w, const char *op) {
     return as_bf16(w.data);
 }
 
+class CudaGraph final : public Graph {
+public:
+    explicit CudaGraph(cudaGraphExec_t exec) : exec(exec) {}
+    ~CudaGraph() override { cudaGraphExecDestroy(exec); }
+    cudaGraphExec_t exec;
+};
+
 class CudaBackend final : public Backend {
 public:
-    CudaBackend(int device, uint64_t stream) : device_(device) {
+    CudaBackend(int device, uint64_t stream, bool graphs) : device_(device), graphs_(graphs) {
         DFLASH_CUDA_CHECK(cudaSetDevice(device));
         if (stream) {
             stream_ = reinterpret_cast<cudaStream_t>(stream);
@@ -83,6 +90,30 @@ public:
         if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
     }
     void synchronize() override { DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+    bool graphs_enabled() const override { return graphs_; }
+    void begin_capture() override {
+        // Thread-local: another thread's unrelated CUDA calls neither break nor join this capture.
+        DFLASH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        capturing_ = true;
+    }
+    std::unique_ptr<Graph> end_capture() override {
+        capturing_ = false;
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        cudaError_t err = cudaStreamEndCapture(stream_, &graph);
+        if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+        if (graph) cudaGraphDestroy(graph);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return nullptr;
+        }
+        return std::make_unique<CudaGraph>(exec);
+    }
+    void replay(const Graph &graph) override {
+        DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<const CudaGraph &>(graph).exec, stream_));
+    }
+    uint64_t scratch_epoch() const override { return scratch_epoch_; }
 
     void convert_rows(const void *src, dflash_dtype src_dtype, bool src_on_device, int64_t n,
                       int64_t width, void *dst) override {
@@ -177,11 +208,16 @@ public:
 private:
     static constexpr size_t kPinnedBytes = 1 << 16;
 
-    // Grow-only scratch: first use (warm-up) allocates, steady state reuses.
+    // Grow-only scratch: first use (warm-up) allocates, steady state reuses. Graphs captured
+    // before a reallocation point at the old buffer: the epoch tells their owners.
     void *grow(DeviceBuffer &buffer, size_t bytes) {
         if (buffer.bytes() < bytes) {
+            if (capturing_)
+                fail(DFLASH_STATUS_INTERNAL, "cuda: op scratch must grow to ", bytes,
+                     " bytes while a graph is recorded (the eager warm-up should have sized it)");
             buffer.reset();  // cudaFree waits for kernels still using it
             buffer = DeviceBuffer(this, bytes);
+            ++scratch_epoch_;
         }
         return buffer.get();
     }
@@ -199,6 +235,9 @@ private:
     }
 
     int device_ = 0;
+    bool graphs_ = true;
+    bool capturing_ = false;
+    uint64_t scratch_epoch_ = 0;
     cudaStream_t stream_ = nullptr;
     bool owns_stream_ = false;
     cudaEvent_t copied_ = nullptr;
@@ -223,13 +262,13 @@ int cuda_device_count() {
     return count;
 }
 
-std::shared_ptr<Backend> make_cuda_backend(int device, uint64_t stream) {
+std::shared_ptr<Backend> make_cuda_backend(int device, uint64_t stream, bool graphs) {
     const int count = cuda_device_count();
     if (count == 0) fail(DFLASH_STATUS_NO_DEVICE, "no CUDA device: cudaGetDeviceCount returned 0");
     if (device < 0 || device >= count)
         fail(DFLASH_STATUS_OUT_OF_RANGE, "CUDA device ", device, " does not exist (", count,
              " visible)");
-    return std::make_shared<CudaBackend>(device, stream);
+    return std::make_shared<CudaBackend>(device, stream, graphs);
 }
 
 }  // namespace dflash

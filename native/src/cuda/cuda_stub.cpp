@@ -11,7 +11,7 @@ int cuda_device_count() {
          "(DFLASH_CUDA=OFF)");
 }
 
-std::shared_ptr<Backend> make_cuda_backend(int, uint64_t) {
+std::shared_ptr<Backend> make_cuda_backend(int, uint64_t, bool) {
     cuda_device_count();
     return nullptr;
 }

@@ -1,0 +1,68 @@
+// graph_cache.hpp: CUDA graphs of an engine step, one per shape key (DESIGN §5).
+//
+// run(backend, key, ops): the first call with a key runs `ops` eagerly (which sizes every scratch
+// buffer they use: nothing may allocate while a capture records); the second records them as a
+// graph and replays it; later calls only replay. A graph is recorded again when the backend's
+// scratch has moved since its capture (scratch_epoch), and a key whose capture failed stays eager.
+// `ops` must read everything that changes between calls from device memory the caller filled
+// before run() (tokens, positions, slots, key counts); the key holds every host-side value and
+// pointer that changes what `ops` enqueue.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+
+#include "backend.hpp"
+
+namespace dflash {
+
+template <class Key>
+class GraphCache {
+public:
+    void run(Backend &backend, const Key &key, const std::function<void()> &ops) {
+        if (!backend.graphs_enabled()) {
+            ops();
+            return;
+        }
+        Entry &e = entries_[key];
+        if (e.graph && e.epoch != backend.scratch_epoch()) e.graph.reset();
+        if (!e.graph) {
+            if (e.failed || e.eager_runs++ == 0) {
+                ops();
+                return;
+            }
+            e.epoch = backend.scratch_epoch();
+            backend.begin_capture();
+            try {
+                ops();
+            } catch (...) {
+                (void)backend.end_capture();  // leaves the stream usable; nothing was enqueued
+                throw;
+            }
+            e.graph = backend.end_capture();
+            if (!e.graph) {
+                e.failed = true;
+                ops();
+                return;
+            }
+        }
+        backend.replay(*e.graph);
+        ++replays_;
+    }
+
+    int64_t replays() const { return replays_; }
+
+private:
+    struct Entry {
+        std::unique_ptr<Graph> graph;
+        uint64_t epoch = 0;
+        int eager_runs = 0;
+        bool failed = false;
+    };
+    std::map<Key, Entry> entries_;
+    int64_t replays_ = 0;
+};
+
+}  // namespace dflash
