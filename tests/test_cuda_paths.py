@@ -24,11 +24,13 @@ pytestmark = pytest.mark.gpu
 BF16_MARGIN = 0.05  # relative to the row's logit scale: larger top-2 gaps must not flip
 
 # Under compute-sanitizer (tools/gpu_check.sh) the four tools run side by side on one GPU: there the
-# lifecycle test runs fewer cycles (each launch is instrumented) and the device-wide memory readings,
+# lifecycle and lossless tests run fewer cycles and prompts (each launch is instrumented) and the
+# device-wide memory readings,
 # which the other processes move, are not compared; memcheck's --leak-check full checks for leaks
 # instead. The plain pytest stage runs every cycle and every memory comparison.
 SHARED_GPU = os.environ.get("DFLASH_TEST_SHARED_GPU") == "1"
 LIFECYCLE_CYCLES = int(os.environ.get("DFLASH_TEST_LIFECYCLE_CYCLES", "10000"))
+LOSSLESS_TRIALS = int(os.environ.get("DFLASH_TEST_LOSSLESS_TRIALS", "4"))  # prompts per lossless case
 
 
 def assert_device_memory(now, expected, what):
@@ -157,7 +159,7 @@ def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size
     rng = np.random.default_rng(7 + case + prompt_lengths[0])
     with Target.from_pretrained(target_dir, backend="cuda", max_seq_len=1024) as target, \
             Drafter.from_pretrained(draft_dir, target=target, max_seq_len=1024) as drafter:
-        for trial in range(4):
+        for trial in range(LOSSLESS_TRIALS):
             prompt = rng.integers(0, 300, size=int(rng.integers(*prompt_lengths))).tolist()
             ar = pydflash.generate(target, None, prompt, 48).output_ids
             spec = pydflash.generate(target, drafter, prompt, 48, block_size=block_size)

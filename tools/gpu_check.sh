@@ -418,12 +418,18 @@ if (( SANITIZE )) && (( BUILD_OK )); then
         # host-side instrumentation, so side by side they take about as long as the slowest one.
         # The pytest runs see DFLASH_TEST_SHARED_GPU=1 (device-wide memory readings are not compared
         # while other processes allocate; memcheck's leak check covers leaks) and a shorter lifecycle
-        # test (SAN_CYCLES, default 300); the plain pytest stage above ran both in full.
+        # test (SAN_CYCLES, default 300) and one prompt per lossless case (SAN_TRIALS); the plain
+        # pytest stage above ran them in full.
         IFS=, read -r -a tools <<< "$SANITIZERS"
         ops_level=()
         [[ $OPS_SAN_LEVEL == default ]] || ops_level=(--"$OPS_SAN_LEVEL")
         subset=()
         (( QUICK )) && subset=(-k smoke)
+        # pytest-xdist, where the image has it: each tool's tests spread over SAN_WORKERS processes.
+        workers=()
+        if python3 -c 'import xdist' 2>/dev/null && (( ${SAN_WORKERS:-3} > 1 )); then
+            workers=(-n "${SAN_WORKERS:-3}")
+        fi
         echo "=== sanitizers [t=$(elapsed) s]: ${tools[*]}, over test_ops (ops=$OPS) and pytest (pytest=$PYTEST), in parallel"
         pids=()
         for tool in "${tools[@]}"; do
@@ -439,9 +445,11 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                 # test_cuda_ops.py only re-runs test_ops, which is sanitized directly.
                 # shellcheck disable=SC2086
                 DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-300} \
+                    DFLASH_TEST_LOSSLESS_TRIALS=${SAN_TRIALS:-1} \
                     sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
                     "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -q -x \
-                    -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${subset[@]}" $PYTEST_ARGS tests &
+                    -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${workers[@]}" "${subset[@]}" \
+                    $PYTEST_ARGS tests &
                 pids+=($!)
             fi
         done
