@@ -8,7 +8,8 @@
 # 2. the trained pair copied into the installed pydflash (its models/default), so the default model is the
 #    trained one (SKIP_TRAINING=1: no training; the pair the package already ships is benched);
 # 3. `pydflash bench` on it, cuda and host: mean acceptance, acceptance per position, tokens/s and speedup over
-#    autoregressive decoding, each output checked equal to that backend's autoregressive output. JSON and plots go
+#    autoregressive decoding, each output checked equal to that backend's autoregressive output (BENCH_BACKENDS,
+#    default "cuda host"; BENCH_MAX_NEW, default 64, may list several lengths). JSON and plots go
 #    to $LOGS (gpu_check packs them into logs/logs.tar.gz), the tables to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +42,14 @@ fi
 export XDG_CACHE_HOME=/tmp/pydflash_cache
 rc=0
 plot=()
+for max_new in ${BENCH_MAX_NEW:-64}; do
 for backend in ${BENCH_BACKENDS:-cuda host}; do
-    echo "=== pydflash bench --backend $backend (trained default pair, its held-out prompts)"
-    python3 -P -c 'import matplotlib' 2>/dev/null && plot=(--plot "$LOGS/default_bench_$backend.png")
-    python3 -P -m pydflash.cli bench --backend "$backend" --max-new-tokens 64 --json "${plot[@]}" \
-        > "$LOGS/default_bench_$backend.json" || rc=1
-    python3 - "$LOGS/default_bench_$backend.json" <<'EOF' || rc=1
+    echo "=== pydflash bench --backend $backend --max-new-tokens $max_new (trained default pair, its held-out prompts)"
+    name=default_bench_$backend$( [[ $max_new == 64 ]] || echo "_$max_new" )
+    python3 -P -c 'import matplotlib' 2>/dev/null && plot=(--plot "$LOGS/$name.png")
+    python3 -P -m pydflash.cli bench --backend "$backend" --max-new-tokens "$max_new" --json "${plot[@]}" \
+        > "$LOGS/$name.json" || rc=1
+    python3 - "$LOGS/$name.json" <<'EOF' || rc=1
 import json, sys
 r = json.load(open(sys.argv[1]))
 keys = ("backend", "block_size", "mean_acceptance_length", "spec_tokens_per_second", "ar_tokens_per_second",
@@ -54,5 +57,6 @@ keys = ("backend", "block_size", "mean_acceptance_length", "spec_tokens_per_seco
 print({k: r.get(k) for k in keys})
 print("acceptance rate by position:", [round(x, 3) for x in r.get("acceptance_rate_by_position", [])])
 EOF
+done
 done
 exit $(( train_rc || rc ))
