@@ -260,7 +260,10 @@ def test_out_of_memory_is_clean(make_pair):
         Target.from_pretrained(target_dir, backend="cuda", max_batch=60000, max_seq_len=1 << 16)
     assert info.value.status_name == "DFLASH_STATUS_OUT_OF_MEMORY", info.value
     assert "cudaMalloc" in info.value.message
-    assert_device_memory(device_used_bytes(), before, "a failed create left device memory behind")
+    # At most what was in use before: the driver may hand back memory it kept after the warm-up's
+    # CUDA graphs were destroyed (seen on the H200: 2 MiB less after than before), never more.
+    now = device_used_bytes()
+    assert SHARED_GPU or now <= before, f"a failed create left {now - before} bytes of device memory behind"
     with Target.from_pretrained(target_dir, backend="cuda") as target:  # the GPU still works
         assert len(pydflash.generate(target, None, [1, 2], 4).output_ids) == 4
 

@@ -147,8 +147,9 @@ typedef struct dflash_context_params {
                                stream (destroyed with the context). A given stream is borrowed
                                and must outlive the context. Ignored by host. */
     int32_t cuda_graphs;    /* 1 (default): a target's verify / decode forward is recorded once per
-                               sequence and row count as a CUDA graph and replayed (identical
-                               results, fewer launches); 0: always launched kernel by kernel. The
+                               row count (and drafter capture layout) as a CUDA graph, shared by its
+                               sequences, and replayed (identical results, fewer launches); 0: always
+                               launched kernel by kernel. The
                                environment variable DFLASH_CUDA_GRAPHS=0 forces 0 at create.
                                Ignored by host. While a graph is recorded, no other thread may
                                enqueue on a given stream. */

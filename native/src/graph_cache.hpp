@@ -1,6 +1,6 @@
 // graph_cache.hpp: CUDA graphs of an engine step, one per shape key (DESIGN §5).
 //
-// run(backend, key, ops): the first call with a key runs `ops` eagerly (which sizes every scratch
+// run(backend, key, ops) -> replayed: the first call with a key runs `ops` eagerly (which sizes every scratch
 // buffer they use: nothing may allocate while a capture records); the second records them as a
 // graph and replays it; later calls only replay. A graph is recorded again when the backend's
 // scratch has moved since its capture (scratch_epoch), and a key whose capture failed stays eager.
@@ -21,17 +21,17 @@ namespace dflash {
 template <class Key>
 class GraphCache {
 public:
-    void run(Backend &backend, const Key &key, const std::function<void()> &ops) {
+    bool run(Backend &backend, const Key &key, const std::function<void()> &ops) {
         if (!backend.graphs_enabled()) {
             ops();
-            return;
+            return false;
         }
         Entry &e = entries_[key];
         if (e.graph && e.epoch != backend.scratch_epoch()) e.graph.reset();
         if (!e.graph) {
             if (e.failed || e.eager_runs++ == 0) {
                 ops();
-                return;
+                return false;
             }
             e.epoch = backend.scratch_epoch();
             backend.begin_capture();
@@ -45,14 +45,12 @@ public:
             if (!e.graph) {
                 e.failed = true;
                 ops();
-                return;
+                return false;
             }
         }
         backend.replay(*e.graph);
-        ++replays_;
+        return true;
     }
-
-    int64_t replays() const { return replays_; }
 
 private:
     struct Entry {
@@ -62,7 +60,6 @@ private:
         bool failed = false;
     };
     std::map<Key, Entry> entries_;
-    int64_t replays_ = 0;
 };
 
 }  // namespace dflash

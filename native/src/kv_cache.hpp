@@ -69,21 +69,22 @@ private:
 // One sequence's blocks: the host list and its copy in backend memory (what kernels read).
 class BlockTable {
 public:
-    BlockTable() = default;
+    BlockTable() = default;  // host only: whoever reads it on the device copies blocks() there
     BlockTable(Backend *backend, int32_t capacity)
         : device_(backend, size_t(capacity) * sizeof(int32_t)) {}
 
     const std::vector<int32_t> &blocks() const { return blocks_; }
     int32_t size() const { return int32_t(blocks_.size()); }
-    const int32_t *device() const { return device_.as<int32_t>(); }
+    const int32_t *device() const { return device_.as<int32_t>(); }  // nullptr when host only
 
     // Holds at least `need` blocks afterwards; all-or-nothing (POOL_EXHAUSTED takes none).
     void grow(BlockPool &pool, Backend &backend, int32_t need) {
         const int32_t have = size();
         if (need <= have) return;
         pool.take(need - have, blocks_);
-        backend.upload(device_.as<int32_t>() + have, blocks_.data() + have,
-                       size_t(need - have) * sizeof(int32_t));
+        if (device_.get())
+            backend.upload(device_.as<int32_t>() + have, blocks_.data() + have,
+                           size_t(need - have) * sizeof(int32_t));
     }
     // Returns every block past the first `keep`.
     void shrink(BlockPool &pool, size_t keep) {

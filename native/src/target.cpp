@@ -125,7 +125,7 @@ void Target::finalize() {
         kv(b, r * 2 * size_t(kv_width_) * a), attn(b, r * size_t(q_width_) * a),
         gu(b, r * 2 * I * a), mlp(b, r * I * a),
         logits(b, size_t(p_.max_verify_rows) * V * sizeof(float)),
-        step(b, (4 * r + 3) * sizeof(int32_t));
+        step(b, (4 * r + 3 + size_t(blocks_per_seq_)) * sizeof(int32_t));
 
     fused_ = std::move(fused);
     k_cache_ = std::move(k_cache);
@@ -173,7 +173,6 @@ std::unique_ptr<TargetSeq> Target::alloc_seq(int32_t budget_tokens) {
     require_finalized("dflash_target_seq_alloc");
     auto seq = std::make_unique<TargetSeq>();
     seq->budget = sequence_budget(budget_tokens, p_.max_seq_len, "target");
-    seq->table = BlockTable(backend_.get(), blocks_per_seq_);
     return seq;
 }
 
@@ -202,28 +201,32 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
     const float eps = p_.rms_norm_eps;
     const int32_t start = seq.length;
-    // Everything that changes from step to step goes to the device in one upload, so the kernels
-    // below (a graph once recorded) read it from there: tokens, positions, slots, the key count.
-    std::vector<int32_t> args(static_cast<size_t>(3 * n + 1));
+    // Everything that changes from step to step (or from sequence to sequence) goes to the device
+    // in one upload, at offsets that depend on neither, so the kernels below (a graph once
+    // recorded) read it from there: tokens, positions, slots, the key count, the block table.
+    const size_t R = size_t(max_rows_);
+    const std::vector<int32_t> &blocks = seq.table.blocks();
+    std::vector<int32_t> args(3 * R + 1 + blocks.size());
     for (int32_t j = 0; j < n; ++j) {
         const int32_t pos = start + j;
         args[size_t(j)] = tokens[j];
-        args[size_t(n + j)] = pos;
-        args[size_t(2 * n + j)] = seq.table.blocks()[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
+        args[R + size_t(j)] = pos;
+        args[2 * R + size_t(j)] = blocks[size_t(pos / DFLASH_KV_BLOCK_SIZE)] * DFLASH_KV_BLOCK_SIZE +
                                   pos % DFLASH_KV_BLOCK_SIZE;
     }
-    args[size_t(3 * n)] = start + n;
+    args[3 * R] = start + n;
+    std::copy(blocks.begin(), blocks.end(), args.begin() + long(3 * R + 1));
     int32_t *dev = step_i32_.as<int32_t>();
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
-    const int32_t *d_tokens = dev, *d_pos = dev + n, *d_slots = dev + 2 * n;
+    const int32_t *d_tokens = dev, *d_pos = dev + R, *d_slots = dev + 2 * R;
 
     PagedKeys keys;
-    keys.block_table = seq.table.device();
+    keys.block_table = step_table();
     keys.slot_positions = key_positions_.as<int32_t>();
     keys.ring_slots = blocks_per_seq_ * DFLASH_KV_BLOCK_SIZE;
     keys.first_key = 0;
     keys.num_keys = int64_t(start) + n;
-    keys.num_keys_device = dev + 3 * n;
+    keys.num_keys_device = dev + 3 * R;
 
     const int64_t F = capture ? capture->feature_width() : 0;
     const dflash_drafter_params *dp = capture ? &capture->params() : nullptr;
@@ -278,7 +281,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         key.capture_width = F;
         key.capture_layers.assign(dp->target_layer_ids, dp->target_layer_ids + dp->num_target_layer_ids);
     }
-    seq.graphs.run(*backend_, key, ops);
+    if (graphs_.run(*backend_, key, ops)) ++seq.graph_replays;
 }
 
 // Picks the next token from hidden row `row` of xn_ (greedy, or a sample with `key`).
@@ -421,7 +424,7 @@ dflash_target_seq_stats Target::info(const TargetSeq &seq) const {
     s.length = seq.length;
     s.blocks_held = seq.table.size();
     s.steps = seq.steps;
-    s.graph_replays = int32_t(seq.graphs.replays());
+    s.graph_replays = int32_t(seq.graph_replays);
     return s;
 }
 

@@ -37,11 +37,11 @@ struct ForwardKey {
 
 struct TargetSeq {
     int32_t budget = 0;
-    BlockTable table;              // [blocks_per_seq]
+    BlockTable table;              // host only: each forward uploads it with its arguments
     int32_t length = 0;            // tokens whose K/V are committed
     uint64_t rng_counter = 0;      // prefill/verify calls drawn so far
     int32_t steps = 0;
-    GraphCache<ForwardKey> graphs; // verify / decode forwards (kept across reset: same buffers)
+    int64_t graph_replays = 0;     // forwards of this sequence replayed from a graph
 };
 
 class Target {
@@ -100,11 +100,14 @@ private:
     DeviceBuffer inv_freq_, key_positions_;  // key_positions_: 0, 1, 2, ... (slot r is position r)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, logits_, capture_;
     int64_t capture_width_ = 0;
-    // [3 * rows + 1] a forward's arguments: tokens, positions, slots, key count; then
-    // [max_rows] posterior and [2] result (step_posterior / step_result)
+    // A forward's arguments at fixed offsets (so one recorded graph serves every sequence):
+    // tokens [max_rows], positions [max_rows], slots [max_rows], key count [1], the sequence's
+    // block table [blocks_per_seq]; then the posterior [max_rows] and the result [2].
     DeviceBuffer step_i32_;
-    int32_t *step_posterior() const { return step_i32_.as<int32_t>() + 3 * max_rows_ + 1; }
+    int32_t *step_table() const { return step_i32_.as<int32_t>() + 3 * max_rows_ + 1; }
+    int32_t *step_posterior() const { return step_table() + blocks_per_seq_; }
     int32_t *step_result() const { return step_posterior() + max_rows_; }
+    GraphCache<ForwardKey> graphs_;  // verify / decode forwards, shared by every sequence
 };
 
 }  // namespace dflash
