@@ -22,8 +22,8 @@
 
 namespace dflash {
 
-// What a forward's recorded kernels depend on besides the sequence: the row count and where (and
-// from which layers) the drafter's features are captured.
+// What a forward's recorded kernels depend on (the sequence's state travels in device memory):
+// the row count and where (and from which layers) the drafter's features are captured.
 struct ForwardKey {
     int32_t rows = 0;
     const void *capture = nullptr;        // the capture buffer, or nullptr
