@@ -442,6 +442,12 @@ Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &k
     return p;
 }
 
+Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys,
+              int64_t span) {
+    return use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys, span)
+                            : plan(nq, n_heads, n_kv_heads, keys, span);
+}
+
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
            kKeysPerChunk * sizeof(int32_t);
@@ -453,8 +459,7 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
                                const PagedKeys &keys) {
     // Sized for splits over the whole ring whatever this call covers: a context that grows then
     // never reallocates it (which would make every recorded graph stale).
-    const Plan p = use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys, capacity(keys))
-                                    : plan(nq, n_heads, n_kv_heads, keys, capacity(keys));
+    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, capacity(keys));
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
@@ -471,8 +476,7 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
              " query heads per kv head (supported: up to ", kMaxQueryVectors, ")");
     if (keys.num_keys < 1) fail(DFLASH_STATUS_INTERNAL, "cuda attention: no keys");
     const bool tc = use_tc(head_dim);
-    const Plan p = tc ? plan_tc(nq, n_heads, n_kv_heads, keys, covered(keys))
-                      : plan(nq, n_heads, n_kv_heads, keys, covered(keys));
+    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, covered(keys));
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.
