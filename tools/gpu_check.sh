@@ -418,7 +418,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
         # host-side instrumentation, so side by side they take about as long as the slowest one.
         # The pytest runs see DFLASH_TEST_SHARED_GPU=1 (device-wide memory readings are not compared
         # while other processes allocate; memcheck's leak check covers leaks) and a shorter lifecycle
-        # test (SAN_CYCLES, default 300) and one prompt per lossless case (SAN_TRIALS); the plain
+        # test (SAN_CYCLES, default 30) and one prompt per lossless case (SAN_TRIALS); the plain
         # pytest stage above ran them in full.
         IFS=, read -r -a tools <<< "$SANITIZERS"
         ops_level=()
@@ -447,10 +447,10 @@ if (( SANITIZE )) && (( BUILD_OK )); then
             if (( PYTEST )); then
                 # test_cuda_ops.py only re-runs test_ops, which is sanitized directly.
                 # shellcheck disable=SC2086
-                DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-300} \
+                DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-30} \
                     DFLASH_TEST_LOSSLESS_TRIALS=${SAN_TRIALS:-1} \
                     sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
-                    "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -q -x \
+                    "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -v -x --durations=0 \
                     -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${workers[@]}" "${subset[@]}" \
                     $PYTEST_ARGS tests &
                 pids+=($!)

@@ -2,8 +2,15 @@
 //
 // At batch 1 every step is bound by streaming the weights once, so the kernel is shaped around
 // the weight stream: tensor-core mma.sync m16n8k16 (bf16 in, fp32 accumulate) over a 16-row tile
-// of x, each lane loading 2 x 16 bytes of a weight row per 64-wide k chunk. M = 1..16 is one
-// tile (rows past M are zeros), so the weights are read once per step whatever the block width.
+// of x, 64-wide k chunks. M = 1..16 is one tile (rows past M are zeros), so the weights are read
+// once per step whatever the block width.
+//
+// Two kernels, the same arithmetic: gemm_stream_kernel (16-byte aligned x and w, K % 8 == 0: every
+// real checkpoint) gives each warp a private ring of kStages chunks in shared memory, filled with
+// cp.async (L2 only, zero-filled past N and K), so the bytes in flight per SM are set by the ring,
+// not by registers (the register-fed kernel reached 3.2-3.5 TB/s on the H200, one 150-register
+// block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
+// every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
@@ -11,13 +18,15 @@
 //
 // Batch invariance (DESIGN §5): an output element is the same sequence of mma steps over the
 // same k chunks, then the same fixed-order sum over the warps that split K, whatever M is and
-// whichever rows share its tile (mma computes each row independently). How K is split (ks) and
-// how many columns a warp owns (nt) depend only on N, K and the device's SM count. So a row
+// whichever rows share its tile (mma computes each row independently). How K is split (ks)
+// depends only on N, K and the device (SM count, resident blocks). So a row
 // verified among 16 gives the same bits as the same row decoded alone.
 //
 // Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
 // never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 
 #include "ops.cuh"
 
@@ -35,6 +44,23 @@ struct ArgmaxPartial {
     float value;
     int32_t index;
 };
+
+constexpr int kNt = 2;        // n-tiles (8 columns each) per warp
+constexpr int kStages = 4;    // chunks per warp ring (gemm_stream_kernel)
+constexpr int kRowBytes = kChunk * 2 + 16;          // a ring row: one chunk + 16 bytes (no bank conflicts)
+constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
+
+// 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 __device__ __forceinline__ float finish_logit(float v, float multiplier, float softcap) {
     v *= multiplier;
@@ -67,92 +93,86 @@ __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld
     }
 }
 
-// x: [M, ldx] bf16; w: [N, K] bf16. grid = (column blocks, ceil(M / 16)); block = kWarps warps:
-// warp = group * KS + slice; a group owns NT*8 columns; a slice owns a contiguous run of chunks.
-template <int NT, int KS, Epilogue E>
-__global__ void __launch_bounds__(kWarps * 32)
-gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
-                int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
-                float softcap, float *logits_out, ArgmaxPartial *partial) {
-    constexpr int kGroups = kWarps / KS;
-    constexpr int kCols = NT * 8;                 // per group
-    constexpr int kBlockCols = kGroups * kCols;
-    __shared__ float red[KS][kTileM][kBlockCols];  // per-slice partial sums (fixed-order reduce)
+// Where a warp works: grid = (column blocks, ceil(M / 16)); block = kWarps warps; warp = group *
+// KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks.
+template <int KS>
+struct WarpTile {
+    static constexpr int kGroups = kWarps / KS;
+    static constexpr int kCols = kNt * 8;                 // per group
+    static constexpr int kBlockCols = kGroups * kCols;
+    int lane, warp, group, slice, g, q;
+    int64_t m0, col0, c_begin, c_end;
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = warp / KS, slice = warp % KS;
-    const int g = lane >> 2, q = lane & 3;
-    const int64_t m0 = int64_t(blockIdx.y) * kTileM;
-    const int64_t col0 = int64_t(blockIdx.x) * kBlockCols + group * kCols;
-
-    const int64_t chunks = (K + kChunk - 1) / kChunk;
-    const int64_t per_slice = (chunks + KS - 1) / KS;
-    const int64_t c_begin = slice * per_slice, c_end = min(chunks, c_begin + per_slice);
-
-    float acc[NT][4];
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
-
-    const bool row0_ok = m0 + g < M, row1_ok = m0 + g + 8 < M;
-#pragma unroll 2
-    for (int64_t c = c_begin; c < c_end; ++c) {
-        const int64_t c0 = c * kChunk;
-        uint32_t wb[NT][8];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            const int64_t n = col0 + t * 8 + g;
-            load16(w, K, n, n < N, c0, q, K, vectorized, wb[t]);
-        }
-        uint32_t x0[8], x1[8];
-        load16(x, ldx, m0 + g, row0_ok, c0, q, K, vectorized, x0);
-        load16(x, ldx, m0 + g + 8, row1_ok, c0, q, K, vectorized, x1);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
-#pragma unroll
-            for (int t = 0; t < NT; ++t)
-                mma_bf16_16816(acc[t], a[0], a[1], a[2], a[3], wb[t][2 * s], wb[t][2 * s + 1]);
-        }
+    __device__ WarpTile(int64_t K) {
+        lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        group = warp / KS, slice = warp % KS;
+        g = lane >> 2, q = lane & 3;
+        m0 = int64_t(blockIdx.y) * kTileM;
+        col0 = int64_t(blockIdx.x) * kBlockCols + group * kCols;
+        const int64_t chunks = (K + kChunk - 1) / kChunk;
+        const int64_t per_slice = (chunks + KS - 1) / KS;
+        c_begin = slice * per_slice, c_end = min(chunks, c_begin + per_slice);
     }
+};
 
+// One chunk of mma steps: acc[t] += x rows (x0: row g, x1: row g + 8) . weight n-tile t.
+__device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8],
+                                          const uint32_t x1[8], const uint32_t wb[kNt][8]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
+#pragma unroll
+        for (int t = 0; t < kNt; ++t)
+            mma_bf16_16816(acc[t], a[0], a[1], a[2], a[3], wb[t][2 * s], wb[t][2 * s + 1]);
+    }
+}
+
+// The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
+// cols] floats), are added in slice order 0..KS-1, and are stored, finished as logits, or reduced
+// to per-block argmax partials.
+template <int KS, Epilogue E>
+__device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
+                                            float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
+                                            float multiplier, float softcap, float *logits_out,
+                                            ArgmaxPartial *partial) {
+    constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        const int cc = group * kCols + t * 8 + 2 * q;
-        red[slice][g][cc] = acc[t][0];
-        red[slice][g][cc + 1] = acc[t][1];
-        red[slice][g + 8][cc] = acc[t][2];
-        red[slice][g + 8][cc + 1] = acc[t][3];
+    for (int t = 0; t < kNt; ++t) {
+        const int cc = wt.group * WarpTile<KS>::kCols + t * 8 + 2 * wt.q;
+        at(wt.slice, wt.g, cc) = acc[t][0];
+        at(wt.slice, wt.g, cc + 1) = acc[t][1];
+        at(wt.slice, wt.g + 8, cc) = acc[t][2];
+        at(wt.slice, wt.g + 8, cc + 1) = acc[t][3];
     }
     __syncthreads();
 
-    // Final values: slices summed in order 0..KS-1; red[0] then holds them.
+    // Final values: slices summed in order 0..KS-1; slice 0 then holds them.
     for (int i = threadIdx.x; i < kTileM * kBlockCols; i += kWarps * 32) {
         const int r = i / kBlockCols, cc = i % kBlockCols;
-        float v = red[0][r][cc];
+        float v = at(0, r, cc);
 #pragma unroll
-        for (int sl = 1; sl < KS; ++sl) v += red[sl][r][cc];
-        const int64_t m = m0 + r, n = int64_t(blockIdx.x) * kBlockCols + cc;
+        for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
+        const int64_t m = wt.m0 + r, n = int64_t(blockIdx.x) * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
             if (m < M && n < N) y[m * ldy + n] = to_bf16(v);
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
         } else {
-            red[0][r][cc] = finish_logit(v, multiplier, softcap);
+            at(0, r, cc) = finish_logit(v, multiplier, softcap);
         }
     }
     if constexpr (E == Epilogue::Argmax) {
         __syncthreads();
         // One warp per row: lanes scan columns lane, lane+32, ... (increasing), then a butterfly
         // that keeps the lowest index on ties (torch.argmax).
-        for (int r = warp; r < kTileM; r += kWarps) {
-            if (m0 + r >= M) continue;
+        for (int r = wt.warp; r < kTileM; r += kWarps) {
+            if (wt.m0 + r >= M) continue;
             ArgmaxPartial b{-INFINITY, INT32_MAX};
-            for (int cc = lane; cc < kBlockCols; cc += 32) {
+            for (int cc = wt.lane; cc < kBlockCols; cc += 32) {
                 const int64_t n = int64_t(blockIdx.x) * kBlockCols + cc;
-                const float v = red[0][r][cc];
+                const float v = at(0, r, cc);
                 if (n < N && (v > b.value || b.index == INT32_MAX)) b = {v, int32_t(n)};
             }
 #pragma unroll
@@ -163,9 +183,116 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
                     (b.index == INT32_MAX || ov > b.value || (ov == b.value && oi < b.index)))
                     b = {ov, oi};
             }
-            if (lane == 0) partial[(m0 + r) * gridDim.x + blockIdx.x] = b;
+            if (wt.lane == 0) partial[(wt.m0 + r) * gridDim.x + blockIdx.x] = b;
         }
     }
+}
+
+template <int KS>
+__host__ __device__ constexpr size_t red_bytes() { return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float); }
+// Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile.
+template <int KS>
+constexpr size_t stream_smem_bytes() {
+    return std::max(size_t(kWarps) * kStages * kStageBytes, red_bytes<KS>());
+}
+
+// Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
+template <int KS, Epilogue E>
+__global__ void __launch_bounds__(kWarps * 32)
+gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
+                float softcap, float *logits_out, ArgmaxPartial *partial) {
+    __shared__ float red[KS * kTileM * WarpTile<KS>::kBlockCols];
+    const WarpTile<KS> wt(K);
+    float acc[kNt][4] = {};
+    const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
+#pragma unroll 2
+    for (int64_t c = wt.c_begin; c < wt.c_end; ++c) {
+        const int64_t c0 = c * kChunk;
+        uint32_t wb[kNt][8];
+#pragma unroll
+        for (int t = 0; t < kNt; ++t) {
+            const int64_t n = wt.col0 + t * 8 + wt.g;
+            load16(w, K, n, n < N, c0, wt.q, K, vectorized, wb[t]);
+        }
+        uint32_t x0[8], x1[8];
+        load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, vectorized, x0);
+        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, vectorized, x1);
+        mma_chunk(acc, x0, x1, wb);
+    }
+    finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial);
+}
+
+// Ring-fed: 16-byte aligned x and w, K % 8 == 0, ldx % 8 == 0. Each warp streams its chunks
+// through kStages ring slots: the slot read at step i was filled kStages - 1 steps earlier, and
+// the slot freed at step i - 1 is refilled at the top of step i, so kStages - 1 chunks are in
+// flight per warp (no block-wide barrier until the epilogue). x is read from L2/L1 one chunk ahead.
+template <int KS, Epilogue E>
+__global__ void __launch_bounds__(kWarps * 32, 3)
+gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                   int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
+                   float *logits_out, ArgmaxPartial *partial) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WarpTile<KS> wt(K);
+    unsigned char *ring = smem + size_t(wt.warp) * kStages * kStageBytes;
+    const int n_chunks = int(max(int64_t(0), wt.c_end - wt.c_begin));
+
+    // Chunk i of this warp into ring slot i % kStages: kNt * 8 rows x 8 pieces of 16 bytes, 8
+    // consecutive lanes per 128-byte row segment.
+    auto fill = [&](int i) {
+        const int64_t c0 = (wt.c_begin + i) * kChunk;
+        unsigned char *slot = ring + (i % kStages) * kStageBytes;
+#pragma unroll
+        for (int j = 0; j < kNt * 64 / 32; ++j) {
+            const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
+            const int64_t n = wt.col0 + r, k = c0 + part * 8;
+            const bool ok = n < N && k < K;
+            cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (i < n_chunks) fill(i);
+        cp_async_commit();  // empty groups keep the wait count uniform
+    }
+
+    const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
+    uint32_t x0[8], x1[8];
+    if (n_chunks > 0) {
+        load16(x, ldx, wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, wt.q, K, true, x0);
+        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, wt.q, K, true, x1);
+    }
+    float acc[kNt][4] = {};
+    for (int i = 0; i < n_chunks; ++i) {
+        cp_async_wait<kStages - 2>();  // this lane's pieces of chunk i have landed
+        __syncwarp();                  // ... and every lane's; all are done reading chunk i - 1
+        if (i + kStages - 1 < n_chunks) fill(i + kStages - 1);
+        cp_async_commit();
+
+        uint32_t wb[kNt][8];
+        const unsigned char *slot = ring + (i % kStages) * kStageBytes;
+#pragma unroll
+        for (int t = 0; t < kNt; ++t) {
+            const unsigned char *row = slot + (t * 8 + wt.g) * kRowBytes + wt.q * 32;
+            const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
+            const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
+            wb[t][0] = v0.x, wb[t][1] = v0.y, wb[t][2] = v0.z, wb[t][3] = v0.w;
+            wb[t][4] = v1.x, wb[t][5] = v1.y, wb[t][6] = v1.z, wb[t][7] = v1.w;
+        }
+        uint32_t n0[8] = {}, n1[8] = {};  // x of the next chunk, loaded before this one's mma
+        if (i + 1 < n_chunks) {
+            const int64_t c0 = (wt.c_begin + i + 1) * kChunk;
+            load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, true, n0);
+            load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, true, n1);
+        }
+        mma_chunk(acc, x0, x1, wb);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x0[j] = n0[j], x1[j] = n1[j];
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
+    finish_tile<KS, E>(wt, acc, reinterpret_cast<float *>(smem), M, N, y, ldy, multiplier, softcap,
+                       logits_out, partial);
 }
 
 // partial: [M, blocks]; one block per row; ties keep the lowest index (torch.argmax).
@@ -192,38 +319,84 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
     if (threadIdx.x == 0) tokens[blockIdx.x] = best[0].index;
 }
 
-int sm_count() {
-    static int cached[64] = {};
-    int device = 0;
-    DFLASH_CUDA_CHECK(cudaGetDevice(&device));
-    if (device < 0 || device >= 64) return 132;
-    if (cached[device] == 0) {
-        int n = 0;
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-        cached[device] = n > 0 ? n : 132;
-    }
-    return cached[device];
+// Per-device facts, read once: SM count and how many gemm_stream_kernel blocks fit on an SM
+// (shared memory bound: kWarps rings of kStages chunks). Setting the kernels' dynamic shared
+// memory limit happens here too, before any launch or capture.
+struct DeviceFacts {
+    int sms = 0, stream_blocks_per_sm = 0;
+};
+
+template <int KS, Epilogue E>
+void allow_stream_smem() {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(gemm_stream_kernel<KS, E>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(stream_smem_bytes<KS>())));
 }
 
-// The tiling of an [N, K] weight: the widest column groups (nt) and the fewest k slices (ks)
-// that still give every SM about two blocks. A function of N, K and the SM count only.
+template <int KS>
+void allow_stream_smem_all() {
+    allow_stream_smem<KS, Epilogue::Store>();
+    allow_stream_smem<KS, Epilogue::Logits>();
+    allow_stream_smem<KS, Epilogue::Argmax>();
+}
+
+const DeviceFacts &device_facts() {
+    static DeviceFacts cached[64];
+    int device = 0;
+    DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+    static DeviceFacts fallback{132, 0};
+    if (device < 0 || device >= 64) return fallback;
+    DeviceFacts &f = cached[device];
+    if (f.sms == 0) {
+        int n = 0;
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+        allow_stream_smem_all<1>();
+        allow_stream_smem_all<2>();
+        allow_stream_smem_all<4>();
+        allow_stream_smem_all<8>();
+        int blocks = 0;
+        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, gemm_stream_kernel<8, Epilogue::Store>, kWarps * 32, stream_smem_bytes<8>()));
+        f.stream_blocks_per_sm = blocks;
+        f.sms = n > 0 ? n : 132;
+    }
+    return f;
+}
+
+// The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
+// (same tiling, same results: an A/B switch for benchmarks).
+bool stream_enabled() {
+    static const bool on = [] {
+        const char *v = std::getenv("DFLASH_GEMM_STREAM");
+        return !(v && v[0] == '0');
+    }();
+    return on && device_facts().stream_blocks_per_sm > 0;
+}
+
+// The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
+// 8 warps own kWarps / ks * 16 columns. A function of N, K and the device only, never of M (that
+// is what keeps verify logits equal to decode logits). Chosen to fill the resident block slots:
+// a score of blocks / slots for one partial wave, and the last wave's fill beyond that (1.45 waves
+// ran at 73% on the H200); fewer slices win unless more fill clearly better.
 struct Tiling {
-    int nt, ks;
-    int64_t block_cols() const { return int64_t(kWarps / ks) * nt * 8; }
+    int ks;
+    int64_t block_cols() const { return int64_t(kWarps / ks) * kNt * 8; }
     unsigned blocks(int64_t N) const { return unsigned((N + block_cols() - 1) / block_cols()); }
 };
 
 Tiling tiling(int64_t N, int64_t K) {
-    // ~1.75 blocks of 8 warps per SM (measured on the H200: 1 and 3 per SM were 7-30% slower)
-    const int64_t want = 7 * int64_t(sm_count()) / 4;
+    const DeviceFacts &f = device_facts();
+    const double slots = double(f.sms) * std::max(1, f.stream_blocks_per_sm);
     const int64_t chunks = (K + kChunk - 1) / kChunk;
-    for (int nt : {4, 2, 1})
-        for (int ks : {1, 2, 4, 8}) {
-            if (ks > 1 && chunks < 2 * ks) break;  // slices of under two chunks only add reduce work
-            const Tiling t{nt, ks};
-            if (t.blocks(N) >= want) return t;
-        }
-    return Tiling{1, chunks >= 16 ? 8 : 1};
+    Tiling best{1};
+    double best_score = -1.0;
+    for (int ks : {1, 2, 4, 8}) {
+        if (ks > 1 && chunks < 2 * ks) break;  // slices of under two chunks only add reduce work
+        const double b = Tiling{ks}.blocks(N);
+        const double score = b <= slots ? b / slots : b / (std::ceil(b / slots) * slots);
+        if (score > best_score + 0.02) best = Tiling{ks}, best_score = score;
+    }
+    return best;
 }
 
 template <Epilogue E>
@@ -231,26 +404,24 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int
             int64_t ldy, float multiplier, float softcap, float *logits_out, ArgmaxPartial *partial,
             cudaStream_t s) {
     const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+    const bool stream = vectorized && stream_enabled();
     const Tiling t = tiling(N, K);
     const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
-    auto go = [&](auto nt, auto ks) {
-        constexpr int NT = decltype(nt)::value, KS = decltype(ks)::value;
-        gemm_mma_kernel<NT, KS, E><<<grid, kWarps * 32, 0, s>>>(
-            x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
+    auto go = [&](auto ks) {
+        constexpr int KS = decltype(ks)::value;
+        if (stream)
+            gemm_stream_kernel<KS, E><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
+        else
+            gemm_mma_kernel<KS, E><<<grid, kWarps * 32, 0, s>>>(
+                x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
     };
     using std::integral_constant;
-    auto by_ks = [&](auto nt) {
-        switch (t.ks) {
-            case 1: go(nt, integral_constant<int, 1>{}); break;
-            case 2: go(nt, integral_constant<int, 2>{}); break;
-            case 4: go(nt, integral_constant<int, 4>{}); break;
-            default: go(nt, integral_constant<int, 8>{}); break;
-        }
-    };
-    switch (t.nt) {
-        case 4: by_ks(integral_constant<int, 4>{}); break;
-        case 2: by_ks(integral_constant<int, 2>{}); break;
-        default: by_ks(integral_constant<int, 1>{}); break;
+    switch (t.ks) {
+        case 1: go(integral_constant<int, 1>{}); break;
+        case 2: go(integral_constant<int, 2>{}); break;
+        case 4: go(integral_constant<int, 4>{}); break;
+        default: go(integral_constant<int, 8>{}); break;
     }
     DFLASH_CUDA_LAUNCHED();
 }
