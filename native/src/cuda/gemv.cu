@@ -202,7 +202,6 @@ __global__ void __launch_bounds__(kWarps * 32)
 gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                 int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
                 float softcap, float *logits_out, ArgmaxPartial *partial) {
-    pdl_prologue();
     __shared__ float red[KS * kTileM * WarpTile<KS>::kBlockCols];
     const WarpTile<KS> wt(K);
     float acc[kNt][4] = {};
@@ -233,8 +232,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial) {
-    pdl_prologue();
-    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem[];
     const WarpTile<KS> wt(K);
     unsigned char *ring = smem + size_t(wt.warp) * kStages * kStageBytes;
@@ -258,9 +255,6 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         if (i < n_chunks) fill(i);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
-    // The weights never change: their first chunks stream in while the kernels before this one
-    // finish (programmatic dependent launch); x is written by those kernels, so it waits.
-    pdl_wait();
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     uint32_t x0[8], x1[8];
@@ -303,7 +297,6 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
 
 // partial: [M, blocks]; one block per row; ties keep the lowest index (torch.argmax).
 __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t blocks, int32_t *tokens) {
-    pdl_prologue();
     __shared__ ArgmaxPartial best[256];
     const ArgmaxPartial *row = partial + int64_t(blockIdx.x) * blocks;
     ArgmaxPartial b{-INFINITY, INT32_MAX};
@@ -407,7 +400,7 @@ Tiling tiling(int64_t N, int64_t K) {
 }
 
 template <Epilogue E>
-void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
+void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
             int64_t ldy, float multiplier, float softcap, float *logits_out, ArgmaxPartial *partial,
             cudaStream_t s) {
     const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
@@ -417,10 +410,10 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if (stream)
-            launch(gemm_stream_kernel<KS, E>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
+            gemm_stream_kernel<KS, E><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else
-            launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s,
+            gemm_mma_kernel<KS, E><<<grid, kWarps * 32, 0, s>>>(
                 x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
     };
     using std::integral_constant;
@@ -438,13 +431,13 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
           int64_t ldy, cudaStream_t s) {
     if (M == 0 || N == 0) return;
-    launch_gemm<Epilogue::Store>(x, M, ldx, w, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+    launch<Epilogue::Store>(x, M, ldx, w, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
 }
 
 void logits(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K, float multiplier,
             float softcap, float *out, cudaStream_t s) {
     if (M == 0) return;
-    launch_gemm<Epilogue::Logits>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
+    launch<Epilogue::Logits>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
 }
 
 // An upper bound whatever the tiling: every block owns at least 8 columns.
@@ -457,8 +450,8 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K
                    cudaStream_t s) {
     if (M == 0) return;
     auto *p = static_cast<ArgmaxPartial *>(partial);
-    launch_gemm<Epilogue::Argmax>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
-    launch(argmax_reduce_kernel, unsigned(M), 256, 0, s, p, tiling(V, K).blocks(V), tokens);
+    launch<Epilogue::Argmax>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
+    argmax_reduce_kernel<<<unsigned(M), 256, 0, s>>>(p, tiling(V, K).blocks(V), tokens);
     DFLASH_CUDA_LAUNCHED();
 }
 
