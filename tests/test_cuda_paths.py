@@ -6,7 +6,8 @@
 - Target: greedy decoding on cuda equals the host's token for token until the first position
   where the host's own top-2 margin is within the bf16 error (then the paths may part).
 - Lossless on one backend: cuda speculative output == cuda autoregressive output, exactly.
-- CUDA graphs: replayed verify / decode forwards equal the same kernels launched eagerly, bit for bit.
+- CUDA graphs: replayed verify / decode forwards equal the same kernels launched eagerly, bit for bit
+  (40 speculative steps per run; DFLASH_TEST_GRAPH_STEPS).
 - Lifecycle: 10 000 (DFLASH_TEST_LIFECYCLE_CYCLES) alloc/propose/after_verify/free cycles leave device memory where it started.
 - Out of memory at finalize is a clean error that leaves nothing behind.
 """
@@ -31,6 +32,7 @@ BF16_MARGIN = 0.05  # relative to the row's logit scale: larger top-2 gaps must 
 SHARED_GPU = os.environ.get("DFLASH_TEST_SHARED_GPU") == "1"
 LIFECYCLE_CYCLES = int(os.environ.get("DFLASH_TEST_LIFECYCLE_CYCLES", "10000"))
 LOSSLESS_TRIALS = int(os.environ.get("DFLASH_TEST_LOSSLESS_TRIALS", "4"))  # prompts per lossless case
+GRAPH_STEPS = int(os.environ.get("DFLASH_TEST_GRAPH_STEPS", "40"))  # speculative steps per graph-test run
 
 
 def assert_device_memory(now, expected, what):
@@ -185,7 +187,7 @@ def _graph_run(target_dir, draft_dir, seed):
             tokens.append(tseq.prefill(prompt, sampling=s, capture=dseq))
         ar = target.new_sequence()
         ar_token = ar.prefill(rng.integers(0, 300, size=70).tolist())
-        for step in range(40):
+        for step in range(GRAPH_STEPS):
             i = step % 2
             (tseq, dseq), s = pairs[i], sampling[i]
             nd = int(rng.integers(1, drafter.block_size))
@@ -212,7 +214,10 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
         monkeypatch.setenv("DFLASH_CUDA_GRAPHS", "0")
         eager, eager_replays = _graph_run(target_dir, draft_dir, seed=case)
         assert eager_replays == 0
-        assert replays >= 39, f"case {case}: only {replays} of 80 forwards were replayed from graphs"
+        # 40 steps replay at least 39 of the 80 forwards (widths come back; a grown attention scratch
+        # re-records); a shorter run (the sanitizer stage) only has to replay at all.
+        need = GRAPH_STEPS - 1 if GRAPH_STEPS >= 40 else 1
+        assert replays >= need, f"case {case}: only {replays} of {2 * GRAPH_STEPS} forwards were replayed"
         for i, (a, b) in enumerate(zip(graphed, eager)):
             assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
 

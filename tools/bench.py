@@ -12,9 +12,17 @@ and, when torch + transformers + dflash import, the reference's median time meas
 
     python3 tools/bench.py [--rows propose8b,propose8b_8k,propose4b,verify,decode] [--iters 100]
                            [--no-reference] [--json OUT.json] [--plot OUT.png]
+    python3 tools/bench.py --variants "default;DFLASH_GEMM_STREAM=0" [--rounds 2] [--rows ...]
 
 Prints a table; --json writes every number; --plot a bar chart (matplotlib if installed).
+--variants: A/B runs of the same rows under environment settings the library reads once per process
+(";" between variants, "," between settings, "default" for none): each variant runs in its own
+process, the order reversed every other round (so a GPU that warms up over the run shows as a
+spread, not as a difference), and a table gives each row's median per variant and its ratio to the
+first variant.
 """
+import os
+import subprocess
 import argparse
 import json
 import sys
@@ -381,7 +389,11 @@ def main(argv=None):
     ap.add_argument("--plot")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a few steps (needs torch)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the host backend: a smoke run, no GPU")
+    ap.add_argument("--variants", help='A/B: "default;NAME=VALUE,NAME=VALUE;..." (see the top of this file)')
+    ap.add_argument("--rounds", type=int, default=2, help="--variants: runs of each variant")
     args = ap.parse_args(argv)
+    if args.variants:
+        return run_variants(args)
 
     if args.tiny:
         QWEN3_8B.update(TINY)
@@ -442,6 +454,65 @@ def main(argv=None):
             ax.legend()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+def parse_variant(text):
+    text = text.strip()
+    if text in ("", "default"):
+        return "default", {}
+    env = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variants: '{item}' is not NAME=VALUE")
+        env[name] = value
+    return text, env
+
+
+def run_variants(args):
+    variants = [parse_variant(v) for v in args.variants.split(";")]
+    rows = args.rows.split(",")
+    times = {(label, row): [] for label, _ in variants for row in rows}
+    titles = {}
+    for rnd in range(args.rounds):
+        order = variants if rnd % 2 == 0 else variants[::-1]
+        for label, env in order:
+            out = f"/tmp/dflash_bench_variant_{os.getpid()}.json"
+            cmd = [sys.executable, os.path.abspath(__file__), "--rows", args.rows, "--iters", str(args.iters),
+                   "--no-reference", "--json", out] + (["--tiny"] if args.tiny else [])
+            print(f"=== round {rnd + 1}/{args.rounds}, variant {label}", flush=True)
+            proc = subprocess.run(cmd, env={**os.environ, **env})
+            if proc.returncode != 0:
+                raise SystemExit(f"bench variant '{label}' failed with exit status {proc.returncode}")
+            with open(out) as f:
+                report = json.load(f)
+            os.unlink(out)
+            for r in report["rows"]:
+                times[(label, r["row"])].append(r["ms"])
+                titles[r["row"]] = (r["title"], r["floor_ms"])
+    base = variants[0][0]
+    print()
+    print("| step | floor (ms) | " + " | ".join(f"{label} (ms)" for label, _ in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    table = []
+    for row in rows:
+        title, floor_ms = titles[row]
+        base_ms = float(np.median(times[(base, row)]))
+        cells, entry = [], {"row": row, "title": title, "floor_ms": floor_ms, "variants": {}}
+        for label, _ in variants:
+            t = times[(label, row)]
+            med = float(np.median(t))
+            entry["variants"][label] = {"median_ms": med, "runs_ms": t}
+            spread = f" ({min(t):.3f}-{max(t):.3f})" if len(t) > 1 else ""
+            ratio = "" if label == base else f", {med / base_ms:.3f}x"
+            cells.append(f"{med:.3f}{spread}{ratio}")
+        table.append(entry)
+        print(f"| {title} | {floor_ms:.3f} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"variants": [label for label, _ in variants], "rounds": args.rounds, "rows": table}, f,
+                      indent=2)
     return 0
 
 

@@ -418,8 +418,8 @@ if (( SANITIZE )) && (( BUILD_OK )); then
         # host-side instrumentation, so side by side they take about as long as the slowest one.
         # The pytest runs see DFLASH_TEST_SHARED_GPU=1 (device-wide memory readings are not compared
         # while other processes allocate; memcheck's leak check covers leaks) and a shorter lifecycle
-        # test (SAN_CYCLES, default 30) and one prompt per lossless case (SAN_TRIALS); the plain
-        # pytest stage above ran them in full.
+        # test (SAN_CYCLES, default 30), one prompt per lossless case (SAN_TRIALS) and 10 steps per
+        # graph-test run (SAN_GRAPH_STEPS); the plain pytest stage above ran them in full.
         IFS=, read -r -a tools <<< "$SANITIZERS"
         ops_level=()
         [[ $OPS_SAN_LEVEL == default ]] || ops_level=(--"$OPS_SAN_LEVEL")
@@ -449,6 +449,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                 # shellcheck disable=SC2086
                 DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-30} \
                     DFLASH_TEST_LOSSLESS_TRIALS=${SAN_TRIALS:-1} \
+                    DFLASH_TEST_GRAPH_STEPS=${SAN_GRAPH_STEPS:-10} \
                     sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
                     "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -v -x --durations=0 \
                     -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${workers[@]}" "${subset[@]}" \
@@ -457,6 +458,10 @@ if (( SANITIZE )) && (( BUILD_OK )); then
             fi
         done
         (( ${#pids[@]} )) && wait "${pids[@]}"
+        # A worker that dies under a sanitizer ("node down") leaves no report of its own: record
+        # the host's memory and any kernel OOM kill next to the sanitizer logs.
+        { free -m; dmesg 2>/dev/null | grep -i -E "killed process|out of memory" | tail -5; } \
+            > "$LOGS/host_memory_after_sanitizers.log" 2>&1 || true
         python3 - "$WORK/stages.jsonl" <<'EOF' || fail_stage
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
