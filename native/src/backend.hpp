@@ -17,16 +17,36 @@
 namespace dflash {
 
 // A row-major weight matrix [rows, cols] in backend memory.
+// The tiled GEMM weight layout a backend may ask for (Backend::tiles_gemm_weights): tiles of
+// kTileRows rows x kTileCols columns, each tile's rows contiguous (row-major inside the tile), the
+// tiles of one row band in column order, then the next band: element (r, c) of a [rows, cols]
+// matrix sits at ((r / 16) * ceil(cols / 64) + c / 64) * 1024 + (r % 16) * 64 + c % 64, and the
+// tiles are zero past rows and cols. A GEMM kernel then streams each warp's whole share of the
+// weight as one contiguous run instead of 128-byte pieces of many rows.
+constexpr int64_t kTileRows = 16, kTileCols = 64;
+inline int64_t tiled_elements(int64_t rows, int64_t cols) {
+    return (rows + kTileRows - 1) / kTileRows * ((cols + kTileCols - 1) / kTileCols) * kTileRows * kTileCols;
+}
+
 struct WeightView {
     const void *data = nullptr;
     dflash_dtype dtype = DFLASH_DTYPE_F32;
     int64_t rows = 0;
     int64_t cols = 0;
+    bool tiled = false;  // the tiled GEMM layout above, else row-major
 
-    // Rows [first, first + count) of this matrix.
+    // Rows [first, first + count) of this matrix (tiled: first a multiple of kTileRows).
     WeightView slice_rows(int64_t first, int64_t count) const {
         WeightView v = *this;
-        v.data = static_cast<const char *>(data) + first * cols * int64_t(dtype_size(dtype));
+        if (tiled) {
+            if (first % kTileRows != 0)
+                fail(DFLASH_STATUS_INTERNAL, "a tiled weight is sliced at row ", first,
+                     ", not a multiple of ", kTileRows);
+            v.data = static_cast<const char *>(data) +
+                     tiled_elements(first, cols) * int64_t(dtype_size(dtype));
+        } else {
+            v.data = static_cast<const char *>(data) + first * cols * int64_t(dtype_size(dtype));
+        }
         v.rows = count;
         return v;
     }
@@ -74,6 +94,14 @@ public:
     // The dtype a weight given in `given` is stored in (the host keeps it; cuda stores bf16, the
     // one dtype its weight-streaming kernels read).
     virtual dflash_dtype weight_dtype(dflash_dtype given) const { return given; }
+    // Whether GEMM weights (every matrix gemm / logits / logits_argmax read) are to be stored in the
+    // tiled layout; tile_gemm_weight writes row-major `src` tiled into dst (tiled_elements(src.rows,
+    // src.cols) elements of src.dtype). The host keeps row-major weights.
+    virtual bool tiles_gemm_weights() const { return false; }
+    virtual void tile_gemm_weight(const WeightView &src, void *dst) {
+        (void)src, (void)dst;
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "this backend keeps GEMM weights row-major");
+    }
 
     // --- memory: alloc throws Error(OUT_OF_MEMORY); release accepts nullptr ---
     virtual void *alloc(size_t bytes) = 0;

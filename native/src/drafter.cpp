@@ -134,7 +134,7 @@ WeightView Drafter::embed() const {
 
 WeightView Drafter::lm_head() const {
     if (shared_) return shared_->store->view(shared_->lm_head_name);
-    return weights_.view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
+    return weights_.view(weights_.has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight");
 }
 
 void Drafter::finalize() {
@@ -154,6 +154,20 @@ void Drafter::finalize() {
     for (int i = 0; i < L; ++i)
         gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                               layer_name(i, "mlp.up_proj.weight")}));
+    // GEMM weights in the backend's streaming layout (a no-op on the host; see Target::finalize).
+    if ((2 * kv_width_) % kTileRows == 0)  // propose slices it by layer (2 * kv_width rows)
+        fused_kv = weights_.tiled_for_gemm(std::move(fused_kv));
+    for (auto &t : gate_up) t = weights_.tiled_for_gemm(std::move(t));
+    weights_.tile_for_gemm("fc.weight");
+    for (int i = 0; i < L; ++i)
+        for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
+            weights_.tile_for_gemm(layer_name(i, n));
+    if (!shared_) {
+        if (p_.tie_word_embeddings)
+            weights_.add_tiled_copy("embed_tokens.weight", "lm_head.weight");  // embed stays row-major
+        else
+            weights_.tile_for_gemm("lm_head.weight");
+    }
 
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
     const size_t cache_bytes =

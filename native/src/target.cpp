@@ -76,7 +76,7 @@ std::shared_ptr<const SharedHead> Target::shared_head() const {
     auto head = std::make_shared<SharedHead>();
     head->store = weights_;
     head->embed_name = "embed_tokens.weight";
-    head->lm_head_name = p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight";
+    head->lm_head_name = weights_->has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight";
     return head;
 }
 
@@ -102,6 +102,16 @@ void Target::finalize() {
         fused.push_back(weights_->fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                              layer_name(i, "mlp.up_proj.weight")}));
     }
+    // GEMM weights in the backend's streaming layout (a no-op on the host; the store's tensors are
+    // tiled in place, idempotently, so a finalize that fails later can simply be retried).
+    for (auto &t : fused) t = weights_->tiled_for_gemm(std::move(t));
+    for (int i = 0; i < L; ++i)
+        for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
+            weights_->tile_for_gemm(layer_name(i, n));
+    if (p_.tie_word_embeddings)
+        weights_->add_tiled_copy("embed_tokens.weight", "lm_head.weight");  // embed stays row-major
+    else
+        weights_->tile_for_gemm("lm_head.weight");
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
     const size_t cache_bytes =
         size_t(total_blocks) * DFLASH_KV_BLOCK_SIZE * size_t(kv_width_) * act_size_;
@@ -180,8 +190,8 @@ void *Target::act(const DeviceBuffer &buffer, int64_t element_offset) const {
     return static_cast<char *>(buffer.get()) + element_offset * int64_t(act_size_);
 }
 
-WeightView Target::lm_head() const {
-    return weights_->view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
+WeightView Target::lm_head() const {  // tied: a tiled copy where the backend tiles GEMM weights
+    return weights_->view(weights_->has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight");
 }
 
 void Target::check_tokens(const int32_t *tokens, int32_t n) const {

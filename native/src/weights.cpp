@@ -9,6 +9,7 @@ WeightView WeightStore::Tensor::view() const {
     WeightView v;
     v.data = buffer.get();
     v.dtype = dtype;
+    v.tiled = tiled;
     if (shape.size() == 1) {  // a norm vector: one row of shape[0] values
         v.rows = 1;
         v.cols = shape[0];
@@ -98,6 +99,39 @@ WeightStore::Tensor WeightStore::fuse_rows(const std::vector<std::string> &names
         offset += t.buffer.bytes();
     }
     return fused;
+}
+
+// A tiled copy of a row-major matrix (the source is untouched, so a failure loses nothing).
+WeightStore::Tensor WeightStore::tiled_copy(const Tensor &t) const {
+    if (t.shape.size() != 2)
+        fail(DFLASH_STATUS_INTERNAL, "only a matrix can be tiled for GEMM (got ", shape_string(t.shape), ")");
+    Tensor out;
+    out.dtype = t.dtype;
+    out.shape = t.shape;
+    out.tiled = true;
+    out.buffer = DeviceBuffer(backend_.get(),
+                              size_t(tiled_elements(t.shape[0], t.shape[1])) * dtype_size(t.dtype));
+    backend_->tile_gemm_weight(t.view(), out.buffer.get());
+    return out;
+}
+
+WeightStore::Tensor WeightStore::tiled_for_gemm(Tensor t) const {
+    if (t.tiled || !backend_->tiles_gemm_weights()) return t;
+    return tiled_copy(t);  // t (row-major) is freed on return
+}
+
+void WeightStore::tile_for_gemm(const std::string &name) {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) fail(DFLASH_STATUS_INTERNAL, "weight '", name, "' is not loaded");
+    if (it->second.tiled || !backend_->tiles_gemm_weights()) return;
+    it->second = tiled_copy(it->second);
+}
+
+void WeightStore::add_tiled_copy(const std::string &from, const std::string &to) {
+    if (!backend_->tiles_gemm_weights() || tensors_.count(to)) return;
+    auto it = tensors_.find(from);
+    if (it == tensors_.end()) fail(DFLASH_STATUS_INTERNAL, "weight '", from, "' is not loaded");
+    tensors_.emplace(to, tiled_copy(it->second));
 }
 
 }  // namespace dflash

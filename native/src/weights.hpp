@@ -21,6 +21,7 @@ public:
         DeviceBuffer buffer;
         dflash_dtype dtype = DFLASH_DTYPE_F32;
         std::vector<int64_t> shape;
+        bool tiled = false;  // the backend's tiled GEMM layout (backend.hpp)
         WeightView view() const;
     };
 
@@ -42,7 +43,18 @@ public:
     Tensor fuse_rows(const std::vector<std::string> &names) const;
     void erase(const std::string &name) { tensors_.erase(name); }
 
+    // GEMM weights in the layout the backend streams fastest (Backend::tiles_gemm_weights): a
+    // tiled copy replaces the row-major tensor (in place, by name; idempotent), or is returned.
+    // Where the backend keeps row-major weights these change nothing.
+    void tile_for_gemm(const std::string &name);
+    Tensor tiled_for_gemm(Tensor t) const;
+    // A tiled copy of `from` stored as `to` (a tied lm_head: embed_tokens stays row-major for
+    // the embedding gather). Nothing where the backend keeps row-major weights.
+    void add_tiled_copy(const std::string &from, const std::string &to);
+
 private:
+    Tensor tiled_copy(const Tensor &t) const;
+
     std::shared_ptr<Backend> backend_;
     std::map<std::string, std::vector<int64_t>> expected_;
     std::map<std::string, Tensor> tensors_;

@@ -224,6 +224,18 @@ Weight upload_weight(Backend &b, const std::vector<float> &w, int64_t rows, int6
     return out;
 }
 
+// The same weight in the tiled GEMM layout (backend.hpp), made by the backend's own tiling
+// kernel, as WeightStore does when the backend asks for it (cuda with DFLASH_GEMM_TILED=1).
+Weight tiled_weight(Backend &b, const Weight &w) {
+    Weight out;
+    out.buf = DeviceBuffer(&b, size_t(tiled_elements(w.view.rows, w.view.cols)) * dtype_size(w.view.dtype));
+    b.tile_gemm_weight(w.view, out.buf.get());
+    out.view = w.view;
+    out.view.data = out.buf.get();
+    out.view.tiled = true;
+    return out;
+}
+
 // After every cuda op: wait, and surface launch errors that the op itself did not report.
 void sync(Backend &b) {
     b.synchronize();
@@ -477,10 +489,35 @@ public:
         h_->rms_norm(xf.data(), rows, groups, dim, ld_x, w, eps, yf.data(), ld_y);
         put(y, yf, "rms_norm");
     }
+    // The tiled GEMM layout (backend.hpp), on the CPU: tile here, untile before the host op.
+    void tile_gemm_weight(const WeightView &src, void *dst) override {
+        const int64_t chunks = (src.cols + kTileCols - 1) / kTileCols, total = tiled_elements(src.rows, src.cols);
+        const auto *in = static_cast<const uint16_t *>(src.data);
+        auto *out = static_cast<uint16_t *>(dst);
+        for (int64_t i = 0; i < total; ++i) {
+            const int64_t tile = i / (kTileRows * kTileCols), at = i % (kTileRows * kTileCols);
+            const int64_t r = tile / chunks * kTileRows + at / kTileCols, c = tile % chunks * kTileCols + at % kTileCols;
+            out[i] = r < src.rows && c < src.cols ? in[r * src.cols + c] : 0;
+        }
+    }
+    WeightView row_major(WeightView w) {
+        if (!w.tiled) return w;
+        const int64_t chunks = (w.cols + kTileCols - 1) / kTileCols;
+        untiled_.assign(size_t(w.rows * w.cols), 0);
+        const auto *in = static_cast<const uint16_t *>(w.data);
+        for (int64_t r = 0; r < w.rows; ++r)
+            for (int64_t c = 0; c < w.cols; ++c)
+                untiled_[size_t(r * w.cols + c)] =
+                    in[((r / kTileRows) * chunks + c / kTileCols) * kTileRows * kTileCols +
+                       (r % kTileRows) * kTileCols + c % kTileCols];
+        w.data = untiled_.data();
+        w.tiled = false;
+        return w;
+    }
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
         std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
         std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
-        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy);
+        h_->gemm(xf.data(), m, ldx, row_major(w), yf.data(), ldy);
         put(y, yf, "gemm");
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -528,7 +565,7 @@ public:
     void logits_argmax(const void *hs, int64_t m, WeightView lm_head, float multiplier,
                        float softcap, int32_t *tokens) override {
         std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
-        h_->logits_argmax(hf.data(), m, lm_head, multiplier, softcap, tokens);
+        h_->logits_argmax(hf.data(), m, row_major(lm_head), multiplier, softcap, tokens);
         if (fault_ == "logits_argmax") tokens[m - 1] = int32_t((tokens[m - 1] + 1) % lm_head.rows);
     }
     void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
@@ -541,7 +578,7 @@ public:
     void logits(const void *hs, int64_t m, WeightView lm_head, float multiplier, float softcap,
                 float *out) override {
         std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
-        h_->logits(hf.data(), m, lm_head, multiplier, softcap, out);
+        h_->logits(hf.data(), m, row_major(lm_head), multiplier, softcap, out);
         if (fault_ == "logits") out[m * lm_head.rows - 1] += 1.f;
     }
     void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
@@ -593,6 +630,7 @@ private:
     }
 
     std::shared_ptr<Backend> h_;
+    std::vector<uint16_t> untiled_;  // row_major()'s copy of a tiled weight
     std::string fault_;
 };
 
@@ -843,15 +881,19 @@ void test_gemm() {
         nks = {{17, 64}, {300, 136}};
     }
     int idx = 0;
-    auto one = [&](int64_t m, int64_t n, int64_t k, int64_t pad_x, int64_t pad_y, int64_t slice_first) {
+    // tiled: the cuda side reads the weight in the tiled layout (sliced at a tile boundary).
+    auto one = [&](int64_t m, int64_t n, int64_t k, int64_t pad_x, int64_t pad_y, int64_t slice_first,
+                   bool tiled) {
         g.run(cat("M=", m, " N=", n, " K=", k, pad_x ? cat(" ldx=+", pad_x) : "",
-                  pad_y ? cat(" ldy=+", pad_y) : "", slice_first ? cat(" rows from ", slice_first) : ""),
+                  pad_y ? cat(" ldy=+", pad_y) : "", slice_first ? cat(" rows from ", slice_first) : "",
+                  tiled ? " tiled" : ""),
               [&](Case &c) {
                   const int64_t ldx = k + pad_x, ldy = n + pad_y, w_rows = n + slice_first + 3;
                   const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
                   const std::vector<float> w =
                       c.rng.bf16_normal(size_t(w_rows * k), 1.f / std::sqrt(float(k)));
                   Weight w_h = upload_weight(*H, w, w_rows, k), w_c = upload_weight(*C, w, w_rows, k);
+                  if (tiled) w_c = tiled_weight(*C, w_c);
                   const WeightView v_h = w_h.view.slice_rows(slice_first, n);
                   const WeightView v_c = w_c.view.slice_rows(slice_first, n);
                   DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
@@ -886,12 +928,14 @@ void test_gemm() {
             const int64_t pad_y = (idx % 4 == 2) ? 8 : 0;
             const int64_t slice_first = (idx % 5 == 3) ? 5 : 0;
             ++idx;
-            one(m, nk.n, nk.k, pad_x, pad_y, slice_first);
+            one(m, nk.n, nk.k, pad_x, pad_y, slice_first, false);
+            one(m, nk.n, nk.k, pad_x, pad_y, slice_first ? kTileRows : 0, true);
         }
     if (g_opt.level >= DEFAULT) {  // prefill-sized M
-        one(300, 512, 512, 0, 0, 0);
-        one(257, 300, 1024, 64, 8, 2);
-        one(1000, 136, 256, 0, 0, 0);
+        one(300, 512, 512, 0, 0, 0, false);
+        one(257, 300, 1024, 64, 8, 2, false);
+        one(1000, 136, 256, 0, 0, 0, false);
+        one(257, 300, 1000, 8, 8, kTileRows, true);  // K not a multiple of the 64-wide tile
     }
 }
 
@@ -1269,8 +1313,9 @@ void test_logits() {
     Group g("logits");
     if (!g.enabled()) return;
     for (const LogitShape &s : logit_shapes())
+      for (bool tiled : {false, true})
         g.run(cat("M=", s.m, " vocab=", s.vocab, " H=", s.hidden, " mult=", s.multiplier,
-                  " softcap=", s.softcap),
+                  " softcap=", s.softcap, tiled ? " tiled" : ""),
               [&](Case &c) {
                   const LogitInputs in = make_logit_inputs(s, c.rng);
                   const size_t count = size_t(s.m * s.vocab);
@@ -1278,6 +1323,7 @@ void test_logits() {
                   for (int b = 0; b < 2; ++b) {
                       Backend &be = b ? *C : *H;
                       Weight w = upload_weight(be, in.w, s.vocab, s.hidden);
+                      if (b && tiled) w = tiled_weight(be, w);
                       DeviceBuffer h = upload_act(be, in.h);
                       DeviceBuffer out = poisoned(be, count * 4);
                       be.logits(h.get(), s.m, w.view, s.multiplier, s.softcap, out.as<float>());
@@ -1292,8 +1338,9 @@ void test_logits_argmax() {
     Group g("logits_argmax");
     if (!g.enabled()) return;
     for (const LogitShape &s : logit_shapes())
+      for (bool tiled : {false, true})
         g.run(cat("M=", s.m, " vocab=", s.vocab, " H=", s.hidden, " mult=", s.multiplier,
-                  " softcap=", s.softcap),
+                  " softcap=", s.softcap, tiled ? " tiled" : ""),
               [&](Case &c) {
                   const LogitInputs in = make_logit_inputs(s, c.rng);
                   // Host: full logits (for the margins) and its own argmax.
@@ -1305,6 +1352,7 @@ void test_logits_argmax() {
                   H->logits_argmax(h_h.get(), s.m, w_h.view, s.multiplier, s.softcap, t_h.as<int32_t>());
                   const std::vector<int32_t> ref = download_vec<int32_t>(*H, t_h.get(), size_t(s.m));
                   Weight w_c = upload_weight(*C, in.w, s.vocab, s.hidden);
+                  if (tiled) w_c = tiled_weight(*C, w_c);
                   DeviceBuffer h_c = upload_act(*C, in.h);
                   DeviceBuffer t_c = poisoned(*C, size_t(s.m) * 4);
                   C->logits_argmax(h_c.get(), s.m, w_c.view, s.multiplier, s.softcap, t_c.as<int32_t>());

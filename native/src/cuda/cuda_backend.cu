@@ -18,9 +18,11 @@ namespace {
 const bf16 *as_bf16(const void *p) { return static_cast<const bf16 *>(p); }
 bf16 *as_bf16(void *p) { return static_cast<bf16 *>(p); }
 
-const bf16 *weight_data(const WeightView &w, const char *op) {
+// Only the GEMM family reads tiled weights (backend.hpp); every other op needs row-major.
+const bf16 *weight_data(const WeightView &w, const char *op, bool tiled_ok = false) {
     if (w.dtype != DFLASH_DTYPE_BF16)
         fail(DFLASH_STATUS_INTERNAL, "cuda ", op, ": weights must be BF16 (got ", dtype_name(w.dtype), ")");
+    if (w.tiled && !tiled_ok) fail(DFLASH_STATUS_INTERNAL, "cuda ", op, ": got a tiled (GEMM-layout) weight");
     return as_bf16(w.data);
 }
 
@@ -136,7 +138,19 @@ public:
                        as_bf16(y), ld_y, stream_);
     }
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
-        cuda::gemm(as_bf16(x), m, ldx, weight_data(w, "gemm"), w.rows, w.cols, as_bf16(y), ldy, stream_);
+        cuda::gemm(as_bf16(x), m, ldx, weight_data(w, "gemm", true), w.tiled, w.rows, w.cols, as_bf16(y),
+                   ldy, stream_);
+    }
+    // Opt-in while the tiled kernels are unmeasured on a GPU: DFLASH_GEMM_TILED=1.
+    bool tiles_gemm_weights() const override {
+        static const bool wanted = [] {
+            const char *v = std::getenv("DFLASH_GEMM_TILED");
+            return v && v[0] == '1';
+        }();
+        return wanted && cuda::tiled_gemm_supported();
+    }
+    void tile_gemm_weight(const WeightView &src, void *dst) override {
+        cuda::tile_weight(weight_data(src, "tile_gemm_weight"), src.rows, src.cols, as_bf16(dst), stream_);
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
               const int32_t *positions, const float *inv_freq, float attention_factor) override {
@@ -176,8 +190,8 @@ public:
     void logits_argmax(const void *h, int64_t m, WeightView lm_head, float multiplier,
                        float softcap, int32_t *tokens) override {
         void *partial = grow(argmax_scratch_, cuda::logits_argmax_scratch_bytes(m, lm_head.rows));
-        cuda::logits_argmax(as_bf16(h), m, weight_data(lm_head, "logits_argmax"), lm_head.rows,
-                            lm_head.cols, multiplier, softcap, partial, tokens, stream_);
+        cuda::logits_argmax(as_bf16(h), m, weight_data(lm_head, "logits_argmax", true), lm_head.tiled,
+                            lm_head.rows, lm_head.cols, multiplier, softcap, partial, tokens, stream_);
     }
     void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
                    int64_t ld_dst) override {
@@ -185,8 +199,8 @@ public:
     }
     void logits(const void *h, int64_t m, WeightView lm_head, float multiplier, float softcap,
                 float *out) override {
-        cuda::logits(as_bf16(h), m, weight_data(lm_head, "logits"), lm_head.rows, lm_head.cols,
-                     multiplier, softcap, out, stream_);
+        cuda::logits(as_bf16(h), m, weight_data(lm_head, "logits", true), lm_head.tiled, lm_head.rows,
+                     lm_head.cols, multiplier, softcap, out, stream_);
     }
     void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
                         int32_t top_k) override {

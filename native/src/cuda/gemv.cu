@@ -227,27 +227,48 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 // through kStages ring slots: the slot read at step i was filled kStages - 1 steps earlier, and
 // the slot freed at step i - 1 is refilled at the top of step i, so kStages - 1 chunks are in
 // flight per warp (no block-wide barrier until the epilogue). x is read from L2/L1 one chunk ahead.
-template <int KS, Epilogue E>
+//
+// TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
+// warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
+// any layout (XV false: element loads). Not TILED: w row-major, x 16-byte vectorized (XV).
+template <int KS, Epilogue E, bool TILED, bool XV>
 __global__ void __launch_bounds__(kWarps * 32, 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial) {
+    static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
+    static_assert(TILED || XV, "row-major weights come with vectorized x here");
+    constexpr bool xv = XV;
     extern __shared__ __align__(16) unsigned char smem[];
     const WarpTile<KS> wt(K);
     unsigned char *ring = smem + size_t(wt.warp) * kStages * kStageBytes;
     const int n_chunks = int(max(int64_t(0), wt.c_end - wt.c_begin));
+    // TILED: this warp's first tile (band col0 / 16, chunk c_begin); its chunks follow it.
+    const bool band_ok = wt.col0 < N;  // a block's last groups may lie past N
+    const bf16 *tiles = w + (band_ok ? ((wt.col0 / kTileRows) * ((K + kChunk - 1) / kChunk) + wt.c_begin) *
+                                           (kTileRows * kTileCols)
+                                     : 0);
 
     // Chunk i of this warp into ring slot i % kStages: kNt * 8 rows x 8 pieces of 16 bytes, 8
     // consecutive lanes per 128-byte row segment.
     auto fill = [&](int i) {
         const int64_t c0 = (wt.c_begin + i) * kChunk;
         unsigned char *slot = ring + (i % kStages) * kStageBytes;
+        if constexpr (TILED) {  // one 2 KB tile: piece p at p * 16 bytes
+            const bf16 *tile = tiles + int64_t(i) * (kTileRows * kTileCols);
 #pragma unroll
-        for (int j = 0; j < kNt * 64 / 32; ++j) {
-            const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
-            const int64_t n = wt.col0 + r, k = c0 + part * 8;
-            const bool ok = n < N && k < K;
-            cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
+            for (int j = 0; j < kNt * 64 / 32; ++j) {
+                const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
+                cp_async16(slot + r * kRowBytes + part * 16, band_ok ? tile + p * 8 : w, band_ok);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < kNt * 64 / 32; ++j) {
+                const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
+                const int64_t n = wt.col0 + r, k = c0 + part * 8;
+                const bool ok = n < N && k < K;
+                cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
+            }
         }
     };
 #pragma unroll
@@ -259,8 +280,8 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     uint32_t x0[8], x1[8];
     if (n_chunks > 0) {
-        load16(x, ldx, wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, wt.q, K, true, x0);
-        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, wt.q, K, true, x1);
+        load16(x, ldx, wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, wt.q, K, xv, x0);
+        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, wt.q, K, xv, x1);
     }
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
@@ -282,8 +303,8 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         uint32_t n0[8] = {}, n1[8] = {};  // x of the next chunk, loaded before this one's mma
         if (i + 1 < n_chunks) {
             const int64_t c0 = (wt.c_begin + i + 1) * kChunk;
-            load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, true, n0);
-            load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, true, n1);
+            load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, xv, n0);
+            load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, xv, n1);
         }
         mma_chunk(acc, x0, x1, wb);
 #pragma unroll
@@ -328,9 +349,10 @@ struct DeviceFacts {
 
 template <int KS, Epilogue E>
 void allow_stream_smem() {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(gemm_stream_kernel<KS, E>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(stream_smem_bytes<KS>())));
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, true>, gemm_stream_kernel<KS, E, true, true>,
+                        gemm_stream_kernel<KS, E, true, false>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS>())));
 }
 
 template <int KS>
@@ -356,7 +378,8 @@ const DeviceFacts &device_facts() {
         allow_stream_smem_all<8>();
         int blocks = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store>, kWarps * 32, stream_smem_bytes<8>()));
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, true>, kWarps * 32,
+            stream_smem_bytes<8>()));
         f.stream_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
     }
@@ -399,18 +422,29 @@ Tiling tiling(int64_t N, int64_t K) {
     return best;
 }
 
+// w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
+// vectorizable, the register-fed one otherwise. All three run the same sums for one tiling.
 template <Epilogue E>
-void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
-            int64_t ldy, float multiplier, float softcap, float *logits_out, ArgmaxPartial *partial,
-            cudaStream_t s) {
-    const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+            bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
+            ArgmaxPartial *partial, cudaStream_t s) {
+    const bool x_vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
+    const bool vectorized = x_vec && aligned16(w);
     const bool stream = vectorized && stream_enabled();
+    if (w_tiled && !tiled_gemm_supported())
+        fail(DFLASH_STATUS_INTERNAL, "a tiled GEMM weight on a device without the tiled kernel");
     const Tiling t = tiling(N, K);
     const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
-        if (stream)
-            gemm_stream_kernel<KS, E><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+        if (w_tiled && x_vec)
+            gemm_stream_kernel<KS, E, true, true><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
+        else if (w_tiled)
+            gemm_stream_kernel<KS, E, true, false><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
+        else if (stream)
+            gemm_stream_kernel<KS, E, false, true><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else
             gemm_mma_kernel<KS, E><<<grid, kWarps * 32, 0, s>>>(
@@ -428,16 +462,38 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int
 
 }  // namespace
 
-void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
-          int64_t ldy, cudaStream_t s) {
-    if (M == 0 || N == 0) return;
-    launch<Epilogue::Store>(x, M, ldx, w, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+bool tiled_gemm_supported() { return stream_enabled(); }
+
+// dst[tiled_elements(N, K)] = src[N, K] in the tiled layout, zeros in the padding.
+__global__ void tile_weight_kernel(const bf16 *src, int64_t N, int64_t K, int64_t chunks, int64_t total,
+                                   bf16 *dst) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t tile = i / (kTileRows * kTileCols), in = i % (kTileRows * kTileCols);
+        const int64_t n = tile / chunks * kTileRows + in / kTileCols;
+        const int64_t k = tile % chunks * kTileCols + in % kTileCols;
+        dst[i] = n < N && k < K ? src[n * K + k] : __float2bfloat16_rn(0.f);
+    }
 }
 
-void logits(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K, float multiplier,
-            float softcap, float *out, cudaStream_t s) {
+void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t s) {
+    const int64_t total = tiled_elements(N, K);
+    if (total == 0) return;
+    const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
+    tile_weight_kernel<<<blocks, 256, 0, s>>>(src, N, K, (K + kChunk - 1) / kChunk, total, dst);
+    DFLASH_CUDA_LAUNCHED();
+}
+
+void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+          bf16 *y, int64_t ldy, cudaStream_t s) {
+    if (M == 0 || N == 0) return;
+    launch<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+}
+
+void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
+            float multiplier, float softcap, float *out, cudaStream_t s) {
     if (M == 0) return;
-    launch<Epilogue::Logits>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
+    launch<Epilogue::Logits>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
 }
 
 // An upper bound whatever the tiling: every block owns at least 8 columns.
@@ -445,12 +501,12 @@ size_t logits_argmax_scratch_bytes(int64_t M, int64_t V) {
     return size_t(M) * size_t((V + 7) / 8) * sizeof(ArgmaxPartial);
 }
 
-void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K,
+void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
                    float multiplier, float softcap, void *partial, int32_t *tokens,
                    cudaStream_t s) {
     if (M == 0) return;
     auto *p = static_cast<ArgmaxPartial *>(partial);
-    launch<Epilogue::Argmax>(x, M, K, w, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
+    launch<Epilogue::Argmax>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
     argmax_reduce_kernel<<<unsigned(M), 256, 0, s>>>(p, tiling(V, K).blocks(V), tokens);
     DFLASH_CUDA_LAUNCHED();
 }

@@ -42,19 +42,24 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
           const int32_t *positions, const float *inv_freq, float attention_factor, cudaStream_t s);
 
 // gemv.cu: the small-M GEMM family. Every output element is computed in the same order
-// whatever M is (batch-invariant), so a verify row equals the same row decoded alone.
+// whatever M is (batch-invariant), so a verify row equals the same row decoded alone, and the
+// same whichever layout w has: row-major [N, K], or tiled (w_tiled; backend.hpp's layout).
 // y[m, N] = x[m, K] . w[N, K]^T
-void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N, int64_t K, bf16 *y,
-          int64_t ldy, cudaStream_t s);
+void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+          bf16 *y, int64_t ldy, cudaStream_t s);
 // logits[m, V] fp32 = softcap(x . lm_head^T * multiplier)
-void logits(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K, float multiplier,
-            float softcap, float *out, cudaStream_t s);
+void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
+            float multiplier, float softcap, float *out, cudaStream_t s);
 // tokens[m] = argmax of the same logits (lowest index on ties); partial: scratch of
 // logits_argmax_scratch_bytes(M, V) bytes.
 size_t logits_argmax_scratch_bytes(int64_t M, int64_t V);
-void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, int64_t V, int64_t K,
+void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
                    float multiplier, float softcap, void *partial, int32_t *tokens,
                    cudaStream_t s);
+// Whether this device runs the tiled kernels (the ring-fed GEMM fits and is enabled); dst =
+// row-major src[N, K] in the tiled layout (tiled_elements(N, K) elements, zero padded).
+bool tiled_gemm_supported();
+void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t s);
 
 // attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,

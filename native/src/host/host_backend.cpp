@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <new>
 
@@ -25,7 +26,18 @@ float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+// Element (r, c) of a tiled weight (backend.hpp's layout).
+int64_t tiled_index(const WeightView &w, int64_t r, int64_t c) {
+    const int64_t chunks = (w.cols + kTileCols - 1) / kTileCols;
+    return ((r / kTileRows) * chunks + c / kTileCols) * (kTileRows * kTileCols) + (r % kTileRows) * kTileCols +
+           c % kTileCols;
+}
+
 void load_row(WeightView w, int64_t row, float *out) {
+    if (w.tiled) {  // DFLASH_HOST_TILED=1 only: the row's 64-wide pieces, tile by tile
+        for (int64_t c = 0; c < w.cols; ++c) out[c] = load_as_float(w.data, w.dtype, tiled_index(w, row, c));
+        return;
+    }
     const int64_t base = row * w.cols;
     if (w.dtype == DFLASH_DTYPE_F32) {
         std::memcpy(out, static_cast<const float *>(w.data) + base, size_t(w.cols) * 4);
@@ -79,6 +91,25 @@ public:
                 for (int64_t c = 0; c < dim; ++c) o[c] = weight[c] * (in[c] * inv);
             }
         }
+    }
+
+    // Row-major weights, unless DFLASH_HOST_TILED=1: then GEMM weights are tiled as the cuda
+    // backend tiles them (DFLASH_GEMM_TILED=1), so the CPU tests cover the models' tiling (which
+    // tensors, slices, a tied lm_head's copy) with the same arithmetic, bit for bit. Read at
+    // each finalize.
+    bool tiles_gemm_weights() const override {
+        const char *v = std::getenv("DFLASH_HOST_TILED");
+        return v && v[0] == '1';
+    }
+    void tile_gemm_weight(const WeightView &src, void *dst) override {
+        const size_t elem = dtype_size(src.dtype);
+        std::memset(dst, 0, size_t(tiled_elements(src.rows, src.cols)) * elem);
+        WeightView t = src;
+        t.tiled = true;
+        for (int64_t r = 0; r < src.rows; ++r)
+            for (int64_t c = 0; c < src.cols; ++c)
+                std::memcpy(static_cast<char *>(dst) + size_t(tiled_index(t, r, c)) * elem,
+                            static_cast<const char *>(src.data) + size_t(r * src.cols + c) * elem, elem);
     }
 
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y,
