@@ -432,7 +432,9 @@ def main(argv=None):
         speedup = "-" if ref is None else f"{ref / r['ms']:.1f}x faster"
         print(f"| {r['title']} | {r['floor_ms']:.3f} | {r['ms']:.3f} | {r['ratio']:.2f}x | {r['goal_ms']:.2f} | "
               f"{ref_ms} | {speedup} |")
-    report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"]}
+    projection = project_speedup(results)
+    report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"],
+              "projection": projection}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -455,6 +457,35 @@ def main(argv=None):
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
     return 0
+
+
+# Published acceptance lengths (tokens per verify step, bonus included) of z-lab/Qwen3-8B-DFlash-b16 on an H200,
+# greedy, and the speedups over autoregressive decoding the paper reports for them (DFlash paper, Table 1; see
+# shared/reference/dflash-ecosystem.md section 1a).
+PUBLISHED_TAU = [("MT-Bench", 4.24, 2.75), ("mean of 7 benchmarks", 6.49, 4.86), ("MATH-500", 7.87, 6.08)]
+
+
+def project_speedup(results):
+    """End-to-end tokens/s of the 8B pair from the measured step times, at the published acceptance lengths: a
+    speculative step is one propose (ctx 1024) plus one 16-row verify and commits tau tokens; an autoregressive step
+    is one decode and commits one. A projection from measured times, not a measured generation (random weights
+    accept nothing); `pydflash bench` measures real generations on the trained default pair."""
+    ms = {r["row"]: r["ms"] for r in results}
+    if not {"propose8b", "verify", "decode"} <= ms.keys():
+        return None
+    step = ms["propose8b"] + ms["verify"]
+    ar_tps = 1e3 / ms["decode"]
+    rows = [{"workload": name, "tau": tau, "spec_tokens_per_s": tau * 1e3 / step, "ar_tokens_per_s": ar_tps,
+             "speedup": tau * ms["decode"] / step, "paper_speedup": paper} for name, tau, paper in PUBLISHED_TAU]
+    print()
+    print(f"Projected end to end, Qwen3-8B + its b16 drafter (step = propose {ms['propose8b']:.3f} + verify "
+          f"{ms['verify']:.3f} ms; autoregressive = decode {ms['decode']:.3f} ms):")
+    print("| workload | published tau | speculative tok/s | autoregressive tok/s | speedup | paper's speedup |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['tau']:.2f} | {r['spec_tokens_per_s']:.0f} | {r['ar_tokens_per_s']:.0f} | "
+              f"{r['speedup']:.2f}x | {r['paper_speedup']:.2f}x |")
+    return {"step_ms": step, "decode_ms": ms["decode"], "rows": rows}
 
 
 def parse_variant(text):
