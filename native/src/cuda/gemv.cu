@@ -11,6 +11,9 @@
 // not by registers (the register-fed kernel reached 3.2-3.5 TB/s on the H200, one 150-register
 // block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
 // every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
+// With tiled weights (DFLASH_GEMM_TILED=1, experimental: backend.hpp's 16 x 64 tiles) the ring-fed
+// kernel reads each warp's share as one contiguous run and loads x without divergence; it keeps
+// up to 128 registers (2 blocks per SM), so its k-split is chosen for those slots.
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
@@ -91,6 +94,24 @@ __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld
         const uint32_t hi = row_ok && k0 + 1 < K ? p[k0 + 1] : 0u;
         out[i] = lo | (hi << 16);
     }
+}
+
+// load16 for x in the tiled kernel, without divergence: a row past M reads the tile's first row
+// (valid whenever the block runs: M > m0) and is zeroed, so every lane takes the same 16-byte path
+// (the rows past M of a 1-row decode step otherwise send 7 of 8 lane groups down the element path).
+// The last, partial chunk of a K that is no multiple of 64 goes through load16.
+__device__ __forceinline__ void load_x16(const bf16 *__restrict__ x, int64_t ldx, int64_t row, bool row_ok,
+                                         int64_t m0, int64_t c0, int q, int64_t K, uint32_t out[8]) {
+    if (c0 + kChunk > K) {
+        load16(x, ldx, row, row_ok, c0, q, K, true, out);
+        return;
+    }
+    const bf16 *p = x + (row_ok ? row : m0) * ldx + c0 + q * 16;
+    const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(p));
+    const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(p + 8));
+    const uint32_t keep = row_ok ? 0xffffffffu : 0u;
+    out[0] = v0.x & keep, out[1] = v0.y & keep, out[2] = v0.z & keep, out[3] = v0.w & keep;
+    out[4] = v1.x & keep, out[5] = v1.y & keep, out[6] = v1.z & keep, out[7] = v1.w & keep;
 }
 
 // Where a warp works: grid = (column blocks, ceil(M / 16)); block = kWarps warps; warp = group *
@@ -232,7 +253,7 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XV false: element loads). Not TILED: w row-major, x 16-byte vectorized (XV).
 template <int KS, Epilogue E, bool TILED, bool XV>
-__global__ void __launch_bounds__(kWarps * 32, 3)
+__global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial) {
@@ -278,10 +299,17 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     }
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
+    // x rows: the tiled kernel's divergence-free load_x16 (vectorized x); otherwise load16.
+    auto load_x = [&](int64_t row, bool ok, int64_t c0, uint32_t out[8]) {
+        if constexpr (TILED && XV)
+            load_x16(x, ldx, row, ok, wt.m0, c0, wt.q, K, out);
+        else
+            load16(x, ldx, row, ok, c0, wt.q, K, xv, out);
+    };
     uint32_t x0[8], x1[8];
     if (n_chunks > 0) {
-        load16(x, ldx, wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, wt.q, K, xv, x0);
-        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, wt.q, K, xv, x1);
+        load_x(wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, x0);
+        load_x(wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, x1);
     }
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
@@ -303,8 +331,8 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         uint32_t n0[8] = {}, n1[8] = {};  // x of the next chunk, loaded before this one's mma
         if (i + 1 < n_chunks) {
             const int64_t c0 = (wt.c_begin + i + 1) * kChunk;
-            load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, xv, n0);
-            load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, xv, n1);
+            load_x(wt.m0 + wt.g, row0_ok, c0, n0);
+            load_x(wt.m0 + wt.g + 8, row1_ok, c0, n1);
         }
         mma_chunk(acc, x0, x1, wb);
 #pragma unroll
@@ -344,7 +372,7 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
 // (shared memory bound: kWarps rings of kStages chunks). Setting the kernels' dynamic shared
 // memory limit happens here too, before any launch or capture.
 struct DeviceFacts {
-    int sms = 0, stream_blocks_per_sm = 0;
+    int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
 };
 
 template <int KS, Epilogue E>
@@ -381,6 +409,10 @@ const DeviceFacts &device_facts() {
             &blocks, gemm_stream_kernel<8, Epilogue::Store, false, true>, kWarps * 32,
             stream_smem_bytes<8>()));
         f.stream_blocks_per_sm = blocks;
+        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, true>, kWarps * 32,
+            stream_smem_bytes<8>()));
+        f.tiled_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
     }
     return f;
@@ -397,8 +429,8 @@ bool stream_enabled() {
 }
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
-// 8 warps own kWarps / ks * 16 columns. A function of N, K and the device only, never of M (that
-// is what keeps verify logits equal to decode logits). Chosen to fill the resident block slots:
+// 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
+// only, never of M (that is what keeps verify logits equal to decode logits). Chosen to fill the resident block slots:
 // a score of blocks / slots for one partial wave, and the last wave's fill beyond that (1.45 waves
 // ran at 73% on the H200); fewer slices win unless more fill clearly better.
 struct Tiling {
@@ -407,9 +439,9 @@ struct Tiling {
     unsigned blocks(int64_t N) const { return unsigned((N + block_cols() - 1) / block_cols()); }
 };
 
-Tiling tiling(int64_t N, int64_t K) {
+Tiling tiling(int64_t N, int64_t K, bool tiled) {
     const DeviceFacts &f = device_facts();
-    const double slots = double(f.sms) * std::max(1, f.stream_blocks_per_sm);
+    const double slots = double(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
     const int64_t chunks = (K + kChunk - 1) / kChunk;
     Tiling best{1};
     double best_score = -1.0;
@@ -433,7 +465,7 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, 
     const bool stream = vectorized && stream_enabled();
     if (w_tiled && !tiled_gemm_supported())
         fail(DFLASH_STATUS_INTERNAL, "a tiled GEMM weight on a device without the tiled kernel");
-    const Tiling t = tiling(N, K);
+    const Tiling t = tiling(N, K, w_tiled);
     const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
@@ -462,7 +494,7 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, 
 
 }  // namespace
 
-bool tiled_gemm_supported() { return stream_enabled(); }
+bool tiled_gemm_supported() { return stream_enabled() && device_facts().tiled_blocks_per_sm > 0; }
 
 // dst[tiled_elements(N, K)] = src[N, K] in the tiled layout, zeros in the padding.
 __global__ void tile_weight_kernel(const bf16 *src, int64_t N, int64_t K, int64_t chunks, int64_t total,
@@ -507,7 +539,7 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_
     if (M == 0) return;
     auto *p = static_cast<ArgmaxPartial *>(partial);
     launch<Epilogue::Argmax>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
-    argmax_reduce_kernel<<<unsigned(M), 256, 0, s>>>(p, tiling(V, K).blocks(V), tokens);
+    argmax_reduce_kernel<<<unsigned(M), 256, 0, s>>>(p, tiling(V, K, w_tiled).blocks(V), tokens);
     DFLASH_CUDA_LAUNCHED();
 }
 
