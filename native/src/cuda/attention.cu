@@ -53,6 +53,7 @@ attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__rest
                        int n_heads, int n_kv_heads, int hd, int rows_per_tile, float scale,
                        bool causal, int32_t window, PagedKeys keys, int64_t keys_per_split,
                        float *out_part, Split *ml_part) {
+    pdl_prologue();
     extern __shared__ unsigned char smem_raw[];
     const int group = n_heads / n_kv_heads;
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -181,6 +182,7 @@ __global__ void __launch_bounds__(kTcWarps * 32)
 attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restrict__ q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                     PagedKeys keys, int64_t keys_per_split, float *out_part, Split *ml_part) {
+    pdl_prologue();
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8; // n8 tiles of O
@@ -369,6 +371,7 @@ constexpr int kMaxSplits = 512;
 
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int splits,
                                          int nq, int n_heads, int hd, bf16 *out) {
+    pdl_prologue();
     __shared__ float weight_s[kMaxSplits];
     __shared__ float scratch[32];
     const int64_t idx = blockIdx.x;  // row * n_heads + head
@@ -485,11 +488,11 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
     if (tc) {
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         if (head_dim == 128)
-            attention_tc_kernel<128><<<grid, kTcWarps * 32, 0, s>>>(
+            launch(attention_tc_kernel<128>, grid, kTcWarps * 32, 0, s, 
                 q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
                 mask.window, keys, p.keys_per_split, out_part, ml_part);
         else
-            attention_tc_kernel<64><<<grid, kTcWarps * 32, 0, s>>>(
+            launch(attention_tc_kernel<64>, grid, kTcWarps * 32, 0, s, 
                 q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
                 mask.window, keys, p.keys_per_split, out_part, ml_part);
         DFLASH_CUDA_LAUNCHED();
@@ -503,13 +506,13 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
             raised = true;
         }
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
-        attention_split_kernel<<<grid, kWarps * 32, smem, s>>>(
+        launch(attention_split_kernel, grid, kWarps * 32, smem, s, 
             q, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
         DFLASH_CUDA_LAUNCHED();
     }
     if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
-    attention_combine_kernel<<<unsigned(nq * n_heads), 128, 0, s>>>(
+    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s, 
         out_part, ml_part, p.splits, int(nq), int(n_heads), int(head_dim), out);
     DFLASH_CUDA_LAUNCHED();
 }

@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "../common.hpp"
 
 namespace dflash {
@@ -27,6 +29,22 @@ inline dflash_status cuda_status(cudaError_t err) {
     fail(cuda_status(err), call, " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err),
          ") at ", file, ":", line);
 }
+
+}  // namespace dflash
+
+#define DFLASH_CUDA_CHECK(call)                                                     \
+    do {                                                                            \
+        cudaError_t dflash_err_ = (call);                                           \
+        if (dflash_err_ != cudaSuccess) {                                           \
+            (void)cudaGetLastError(); /* clear a non-sticky error for later calls */ \
+            ::dflash::cuda_fail(dflash_err_, #call, __FILE__, __LINE__);            \
+        }                                                                           \
+    } while (0)
+
+// After a launch: a bad configuration shows up here, not at the next unrelated call.
+#define DFLASH_CUDA_LAUNCHED() DFLASH_CUDA_CHECK(cudaGetLastError())
+
+namespace dflash {
 
 using bf16 = __nv_bfloat16;
 
@@ -94,20 +112,58 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+, opt-in with DFLASH_PDL=1 while it is unmeasured on a
+// GPU): kernels are then launched with programmatic stream serialization, so the next kernel's
+// blocks may be scheduled while this one drains. Each kernel starts with pdl_prologue(): it lets
+// its own successor launch, then waits until every kernel before it has finished and its writes
+// are visible; nothing before that wait touches memory that an earlier kernel writes
+// (gemm_stream_kernel alone starts streaming its constant weights first). Launched without the
+// attribute (the default), both instructions return at once, as TensorRT-LLM's kernels rely on;
+// below sm_90 they are absent.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_prologue() {
+    pdl_launch_dependents();
+    pdl_wait();
+}
+
+// Whether launches on the current device use programmatic stream serialization: DFLASH_PDL=1
+// and compute capability 9.0 or newer.
+bool pdl_enabled();
+
+// kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with
+// programmatic stream serialization where pdl_enabled(); a bad configuration throws here.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            Args &&...args) {
+    if (!pdl_enabled()) {
+        kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
+        DFLASH_CUDA_LAUNCHED();
+        return;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = s;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 inline unsigned grid_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
 }  // namespace dflash
-
-#define DFLASH_CUDA_CHECK(call)                                                     \
-    do {                                                                            \
-        cudaError_t dflash_err_ = (call);                                           \
-        if (dflash_err_ != cudaSuccess) {                                           \
-            (void)cudaGetLastError(); /* clear a non-sticky error for later calls */ \
-            ::dflash::cuda_fail(dflash_err_, #call, __FILE__, __LINE__);            \
-        }                                                                           \
-    } while (0)
-
-// After a launch: a bad configuration shows up here, not at the next unrelated call.
-#define DFLASH_CUDA_LAUNCHED() DFLASH_CUDA_CHECK(cudaGetLastError())

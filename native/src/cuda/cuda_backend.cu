@@ -6,6 +6,7 @@
 // (argmax partials, attention split partials) grows on first use and is then reused, so steady
 // state allocates nothing. Copies back to the host go through one pinned buffer and an event:
 // the host waits for its own copy, never for the whole device.
+#include <cstdlib>
 #include <cstdio>
 #include <vector>
 
@@ -262,6 +263,24 @@ private:
 }  // namespace
 
 bool cuda_compiled() { return true; }
+
+bool pdl_enabled() {
+    static const bool allowed = [] {
+        const char *v = std::getenv("DFLASH_PDL");
+        return v && v[0] == '1';
+    }();
+    static signed char by_device[64] = {};  // 0 unknown, 1 yes, -1 no
+    if (!allowed) return false;
+    int device = 0;
+    DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= 64) return false;
+    if (by_device[device] == 0) {
+        int major = 0;
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        by_device[device] = major >= 9 ? 1 : -1;
+    }
+    return by_device[device] > 0;
+}
 
 const char *cuda_arch_list() { return DFLASH_CUDA_ARCH_LIST; }
 

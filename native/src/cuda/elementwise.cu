@@ -11,6 +11,7 @@ constexpr int kThreads = 256;
 
 template <typename T>
 __global__ void convert_kernel(const T *src, int64_t n, bf16 *dst) {
+    pdl_prologue();
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x)
         dst[i] = to_bf16(to_float(src[i]));
@@ -19,6 +20,7 @@ __global__ void convert_kernel(const T *src, int64_t n, bf16 *dst) {
 // tokens: [n]; table: [V, H]; out: [n, H]
 __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H,
                              float scale, bf16 *out) {
+    pdl_prologue();
     const int64_t row = blockIdx.y;
     const bf16 *src = table + int64_t(tokens[row]) * H;
     for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < H;
@@ -27,6 +29,7 @@ __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table
 }
 
 __global__ void add_kernel(bf16 *y, const bf16 *x, int64_t n) {
+    pdl_prologue();
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x)
         y[i] = to_bf16(to_float(y[i]) + to_float(x[i]));
@@ -34,6 +37,7 @@ __global__ void add_kernel(bf16 *y, const bf16 *x, int64_t n) {
 
 // gate_up: [rows, 2*inter] (gate | up); out: [rows, inter]
 __global__ void swiglu_kernel(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out) {
+    pdl_prologue();
     const int64_t n = rows * inter;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x) {
@@ -47,6 +51,7 @@ __global__ void swiglu_kernel(const bf16 *gate_up, int64_t rows, int64_t inter, 
 // src: [rows, ld_src]; dst: [rows, ld_dst]; copies the first `width` of each row
 __global__ void copy_rows_kernel(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width,
                                  bf16 *dst, int64_t ld_dst) {
+    pdl_prologue();
     const int64_t n = rows * width;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x) {
@@ -59,6 +64,7 @@ __global__ void copy_rows_kernel(const bf16 *src, int64_t ld_src, int64_t rows, 
 __global__ void kv_write_kernel(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld,
                                 const int32_t *slots, int64_t kv_width, bf16 *k_cache,
                                 bf16 *v_cache) {
+    pdl_prologue();
     const int64_t n = rows * kv_width;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x) {
@@ -79,13 +85,13 @@ void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cuda
     if (n == 0) return;
     switch (src_dtype) {
         case DFLASH_DTYPE_F32:
-            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const float *>(src), n, dst);
+            launch(convert_kernel<float>, blocks_for(n), kThreads, 0, s, static_cast<const float *>(src), n, dst);
             break;
         case DFLASH_DTYPE_F16:
-            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const __half *>(src), n, dst);
+            launch(convert_kernel<__half>, blocks_for(n), kThreads, 0, s, static_cast<const __half *>(src), n, dst);
             break;
         case DFLASH_DTYPE_BF16:
-            convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<const bf16 *>(src), n, dst);
+            launch(convert_kernel<bf16>, blocks_for(n), kThreads, 0, s, static_cast<const bf16 *>(src), n, dst);
             break;
     }
     DFLASH_CUDA_LAUNCHED();
@@ -95,26 +101,26 @@ void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float
            cudaStream_t s) {
     if (n == 0) return;
     const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(n));
-    embed_kernel<<<grid, kThreads, 0, s>>>(tokens, n, table, H, scale, out);
+    launch(embed_kernel, grid, kThreads, 0, s, tokens, n, table, H, scale, out);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s) {
     if (n == 0) return;
-    add_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, x, n);
+    launch(add_kernel, blocks_for(n), kThreads, 0, s, y, x, n);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s) {
     if (rows * inter == 0) return;
-    swiglu_kernel<<<blocks_for(rows * inter), kThreads, 0, s>>>(gate_up, rows, inter, out);
+    launch(swiglu_kernel, blocks_for(rows * inter), kThreads, 0, s, gate_up, rows, inter, out);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
                int64_t ld_dst, cudaStream_t s) {
     if (rows * width == 0) return;
-    copy_rows_kernel<<<blocks_for(rows * width), kThreads, 0, s>>>(src, ld_src, rows, width, dst,
+    launch(copy_rows_kernel, blocks_for(rows * width), kThreads, 0, s, src, ld_src, rows, width, dst,
                                                                    ld_dst);
     DFLASH_CUDA_LAUNCHED();
 }
@@ -122,7 +128,7 @@ void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf1
 void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
               int64_t kv_width, bf16 *k_cache, bf16 *v_cache, cudaStream_t s) {
     if (rows * kv_width == 0) return;
-    kv_write_kernel<<<blocks_for(rows * kv_width), kThreads, 0, s>>>(k, v, rows, ld, slots,
+    launch(kv_write_kernel, blocks_for(rows * kv_width), kThreads, 0, s, k, v, rows, ld, slots,
                                                                      kv_width, k_cache, v_cache);
     DFLASH_CUDA_LAUNCHED();
 }

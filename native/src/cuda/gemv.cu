@@ -223,6 +223,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                 int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
                 float softcap, float *logits_out, ArgmaxPartial *partial) {
+    pdl_prologue();
     __shared__ float red[KS * kTileM * WarpTile<KS>::kBlockCols];
     const WarpTile<KS> wt(K);
     float acc[kNt][4] = {};
@@ -257,6 +258,7 @@ __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial) {
+    pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XV, "row-major weights come with vectorized x here");
     constexpr bool xv = XV;
@@ -297,6 +299,10 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         if (i < n_chunks) fill(i);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
+    // The weights never change: their first chunks stream in while the kernels before this one
+    // finish (programmatic dependent launch, DFLASH_PDL=1); x is written by those kernels, so the
+    // x loads wait.
+    pdl_wait();
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     // x rows: the tiled kernel's divergence-free load_x16 (vectorized x); otherwise load16.
@@ -346,6 +352,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
 
 // partial: [M, blocks]; one block per row; ties keep the lowest index (torch.argmax).
 __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t blocks, int32_t *tokens) {
+    pdl_prologue();
     __shared__ ArgmaxPartial best[256];
     const ArgmaxPartial *row = partial + int64_t(blockIdx.x) * blocks;
     ArgmaxPartial b{-INFINITY, INT32_MAX};
@@ -457,7 +464,7 @@ Tiling tiling(int64_t N, int64_t K, bool tiled) {
 // w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
 // vectorizable, the register-fed one otherwise. All three run the same sums for one tiling.
 template <Epilogue E>
-void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
             bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
             ArgmaxPartial *partial, cudaStream_t s) {
     const bool x_vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
@@ -470,16 +477,16 @@ void launch(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, 
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if (w_tiled && x_vec)
-            gemm_stream_kernel<KS, E, true, true><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+            launch(gemm_stream_kernel<KS, E, true, true>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else if (w_tiled)
-            gemm_stream_kernel<KS, E, true, false><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+            launch(gemm_stream_kernel<KS, E, true, false>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else if (stream)
-            gemm_stream_kernel<KS, E, false, true><<<grid, kWarps * 32, stream_smem_bytes<KS>(), s>>>(
+            launch(gemm_stream_kernel<KS, E, false, true>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else
-            gemm_mma_kernel<KS, E><<<grid, kWarps * 32, 0, s>>>(
+            launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s,
                 x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
     };
     using std::integral_constant;
@@ -499,6 +506,7 @@ bool tiled_gemm_supported() { return stream_enabled() && device_facts().tiled_bl
 // dst[tiled_elements(N, K)] = src[N, K] in the tiled layout, zeros in the padding.
 __global__ void tile_weight_kernel(const bf16 *src, int64_t N, int64_t K, int64_t chunks, int64_t total,
                                    bf16 *dst) {
+    pdl_prologue();
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
          i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t tile = i / (kTileRows * kTileCols), in = i % (kTileRows * kTileCols);
@@ -512,20 +520,20 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
     const int64_t total = tiled_elements(N, K);
     if (total == 0) return;
     const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
-    tile_weight_kernel<<<blocks, 256, 0, s>>>(src, N, K, (K + kChunk - 1) / kChunk, total, dst);
+    launch(tile_weight_kernel, blocks, 256, 0, s, src, N, K, (K + kChunk - 1) / kChunk, total, dst);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
           bf16 *y, int64_t ldy, cudaStream_t s) {
     if (M == 0 || N == 0) return;
-    launch<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+    launch_gemm<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
 }
 
 void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
             float multiplier, float softcap, float *out, cudaStream_t s) {
     if (M == 0) return;
-    launch<Epilogue::Logits>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
+    launch_gemm<Epilogue::Logits>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
 }
 
 // An upper bound whatever the tiling: every block owns at least 8 columns.
@@ -538,8 +546,8 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_
                    cudaStream_t s) {
     if (M == 0) return;
     auto *p = static_cast<ArgmaxPartial *>(partial);
-    launch<Epilogue::Argmax>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
-    argmax_reduce_kernel<<<unsigned(M), 256, 0, s>>>(p, tiling(V, K, w_tiled).blocks(V), tokens);
+    launch_gemm<Epilogue::Argmax>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
+    launch(argmax_reduce_kernel, unsigned(M), 256, 0, s, p, tiling(V, K, w_tiled).blocks(V), tokens);
     DFLASH_CUDA_LAUNCHED();
 }
 

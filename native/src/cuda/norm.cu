@@ -14,6 +14,7 @@ constexpr int kThreads = 128;
 // x: [rows, ld_x] holding [groups, dim]; w: [dim]; y: [rows, ld_y]
 __global__ void rms_norm_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
                                 const bf16 *w, float eps, bf16 *y, int64_t ld_y) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
     const bf16 *in = x + row * ld_x + g * dim;
@@ -47,6 +48,7 @@ __device__ __forceinline__ uint4 normed8(const uint4 &x, const uint4 &w, float i
 // 32 covering dim / 8 pieces (most threads own one). Same statistics order for every row count.
 __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
                                     const bf16 *w, float eps, bf16 *y, int64_t ld_y) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
     const uint4 *in = reinterpret_cast<const uint4 *>(x + row * ld_x + g * dim);
@@ -69,6 +71,7 @@ __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, 
 // block per row, 16-byte pieces; a thread owns the same pieces in both passes, so y may alias res.
 __global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps,
                                     bf16 *y) {
+    pdl_prologue();
     __shared__ float scratch[32];
     uint4 *xr = reinterpret_cast<uint4 *>(x + int64_t(blockIdx.x) * dim);
     const uint4 *rr = reinterpret_cast<const uint4 *>(res + int64_t(blockIdx.x) * dim);
@@ -106,10 +109,10 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
         aligned16(w)) {
         const int64_t pieces = dim / 8;
         const unsigned threads = unsigned(std::min<int64_t>(1024, (pieces + 31) / 32 * 32));
-        rms_norm_vec_kernel<<<unsigned(rows * groups), threads, 0, s>>>(x, groups, dim, ld_x, w, eps,
+        launch(rms_norm_vec_kernel, unsigned(rows * groups), threads, 0, s, x, groups, dim, ld_x, w, eps,
                                                                         y, ld_y);
     } else {
-        rms_norm_kernel<<<unsigned(rows * groups), kThreads, 0, s>>>(x, groups, dim, ld_x, w, eps, y,
+        launch(rms_norm_kernel, unsigned(rows * groups), kThreads, 0, s, x, groups, dim, ld_x, w, eps, y,
                                                                      ld_y);
     }
     DFLASH_CUDA_LAUNCHED();
@@ -120,7 +123,7 @@ void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf1
     if (rows == 0) return;
     if (dim % 8 == 0 && aligned16(x) && aligned16(res) && aligned16(y) && aligned16(w)) {
         const unsigned threads = unsigned(std::min<int64_t>(1024, (dim / 8 + 31) / 32 * 32));
-        add_rms_norm_kernel<<<unsigned(rows), threads, 0, s>>>(x, res, dim, w, eps, y);
+        launch(add_rms_norm_kernel, unsigned(rows), threads, 0, s, x, res, dim, w, eps, y);
         DFLASH_CUDA_LAUNCHED();
     } else {  // the same roundings in two launches
         add(x, res, rows * dim, s);

@@ -44,6 +44,9 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // gemv.cu: the small-M GEMM family. Every output element is computed in the same order
 // whatever M is (batch-invariant), so a verify row equals the same row decoded alone, and the
 // same whichever layout w has: row-major [N, K], or tiled (w_tiled; backend.hpp's layout).
+// w must be a weight: constant while kernels run (with DFLASH_PDL=1 the kernel starts reading it
+// before the kernels ahead of it on the stream have finished; see pdl_prologue in common.cuh).
+// Uploads and device copies (not kernels) that fill it are ordered as usual.
 // y[m, N] = x[m, K] . w[N, K]^T
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
           bf16 *y, int64_t ldy, cudaStream_t s);

@@ -16,6 +16,7 @@ constexpr int kHeadsPerBlock = 4;
 // blockIdx.y * kHeadsPerBlock + hl, for j striding over half.
 __global__ void rope_kernel(bf16 *x, int heads, int head_dim, int64_t ld, const int32_t *positions,
                             const float *inv_freq, float attention_factor) {
+    pdl_prologue();
     const int half = head_dim / 2;
     const int h = blockIdx.y * kHeadsPerBlock + threadIdx.y;
     if (h >= heads) return;
@@ -41,6 +42,7 @@ constexpr int kWarpsPerBlock = 4;
 __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
                                       const bf16 *w, float eps, const int32_t *positions,
                                       const float *inv_freq, float attention_factor) {
+    pdl_prologue();
     const int lane = threadIdx.x & 31;
     const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
     if (item >= rows * heads) return;
@@ -93,8 +95,7 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
         return;
     }
     const int64_t items = rows * heads;
-    head_norm_rope_kernel<<<unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32,
-                            0, s>>>(x, rows, int(heads), int(head_dim), ld, w, eps, positions, inv_freq,
+    launch(head_norm_rope_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, s, x, rows, int(heads), int(head_dim), ld, w, eps, positions, inv_freq,
                                     attention_factor);
     DFLASH_CUDA_LAUNCHED();
 }
@@ -107,7 +108,7 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
     const int half = int(head_dim / 2);
     const dim3 block(unsigned(std::min(half, 128)), kHeadsPerBlock);
     const dim3 grid(unsigned(rows), unsigned((heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-    rope_kernel<<<grid, block, 0, s>>>(x, int(heads), int(head_dim), ld, positions, inv_freq,
+    launch(rope_kernel, grid, block, 0, s, x, int(heads), int(head_dim), ld, positions, inv_freq,
                                        attention_factor);
     DFLASH_CUDA_LAUNCHED();
 }

@@ -152,6 +152,7 @@ __device__ void cut_at_threshold(float *row, int64_t n, uint32_t threshold, bool
 
 __global__ void __launch_bounds__(kThreads)
 sampling_probs_kernel(float *rows, int64_t vocab, float temperature, float top_p, int32_t top_k) {
+    pdl_prologue();
     __shared__ float scratch[32];
     float *row = rows + int64_t(blockIdx.x) * vocab;
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) row[v] = row[v] / temperature;
@@ -198,6 +199,7 @@ sampling_probs_kernel(float *rows, int64_t vocab, float temperature, float top_p
 __global__ void __launch_bounds__(kThreads)
 sample_rows_kernel(const float *probs, int64_t vocab, RngKey key, uint32_t first_row,
                    uint32_t purpose, int32_t *out) {
+    pdl_prologue();
     __shared__ float scratch[32];
     __shared__ int32_t pick;
     const float *row = probs + int64_t(blockIdx.x) * vocab;
@@ -208,6 +210,7 @@ sample_rows_kernel(const float *probs, int64_t vocab, RngKey key, uint32_t first
 
 __global__ void greedy_accept_kernel(const int32_t *tokens, const int32_t *posterior, int64_t n,
                                      int32_t *out) {
+    pdl_prologue();
     int32_t accepted = 0;
     while (accepted + 1 < n && tokens[accepted + 1] == posterior[accepted]) ++accepted;
     out[0] = accepted;
@@ -217,6 +220,7 @@ __global__ void greedy_accept_kernel(const int32_t *tokens, const int32_t *poste
 __global__ void __launch_bounds__(kThreads)
 rejection_accept_kernel(const float *p, const int32_t *tokens, const float *q, int64_t n,
                         int64_t vocab, RngKey key, int32_t *out) {
+    pdl_prologue();
     __shared__ float scratch[32];
     __shared__ int32_t pick, accepted_s;
     if (threadIdx.x == 0) {
@@ -263,26 +267,26 @@ rejection_accept_kernel(const float *p, const int32_t *tokens, const float *q, i
 void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
                     int32_t top_k, cudaStream_t s) {
     if (m == 0) return;
-    sampling_probs_kernel<<<unsigned(m), kThreads, 0, s>>>(rows, vocab, temperature, top_p, top_k);
+    launch(sampling_probs_kernel, unsigned(m), kThreads, 0, s, rows, vocab, temperature, top_p, top_k);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key, uint32_t first_row,
                  uint32_t purpose, int32_t *out, cudaStream_t s) {
     if (m == 0) return;
-    sample_rows_kernel<<<unsigned(m), kThreads, 0, s>>>(probs, vocab, key, first_row, purpose, out);
+    launch(sample_rows_kernel, unsigned(m), kThreads, 0, s, probs, vocab, key, first_row, purpose, out);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n, int32_t *out,
                    cudaStream_t s) {
-    greedy_accept_kernel<<<1, 1, 0, s>>>(tokens, posterior, n, out);
+    launch(greedy_accept_kernel, 1, 1, 0, s, tokens, posterior, n, out);
     DFLASH_CUDA_LAUNCHED();
 }
 
 void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
                       int64_t vocab, RngKey key, int32_t *out, cudaStream_t s) {
-    rejection_accept_kernel<<<1, kThreads, 0, s>>>(p, tokens, q, n, vocab, key, out);
+    launch(rejection_accept_kernel, 1, kThreads, 0, s, p, tokens, q, n, vocab, key, out);
     DFLASH_CUDA_LAUNCHED();
 }
 
