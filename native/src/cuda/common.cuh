@@ -118,8 +118,8 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t
 // its own successor launch, then waits until every kernel before it has finished and its writes
 // are visible; nothing before that wait touches memory that an earlier kernel writes
 // (gemm_stream_kernel alone starts streaming its constant weights first). Launched without the
-// attribute (the default), both instructions return at once, as TensorRT-LLM's kernels rely on;
-// below sm_90 they are absent.
+// attribute (the default), both instructions return at once (CUTLASS and rtp-llm kernels carry
+// them the same way); below sm_90 they are absent.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
