@@ -13,7 +13,7 @@
 // every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
 // With tiled weights (DFLASH_GEMM_TILED=1, experimental: backend.hpp's 16 x 64 tiles) the ring-fed
 // kernel reads each warp's share as one contiguous run and loads x without divergence; it keeps
-// up to 128 registers (2 blocks per SM), so its k-split is chosen for those slots.
+// up to 128 registers and a 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
@@ -49,7 +49,10 @@ struct ArgmaxPartial {
 };
 
 constexpr int kNt = 2;        // n-tiles (8 columns each) per warp
-constexpr int kStages = 4;    // chunks per warp ring (gemm_stream_kernel)
+constexpr int kStages = 4;       // chunks per warp ring (gemm_stream_kernel, row-major weights)
+constexpr int kTiledStages = 6;  // the tiled kernel: 2 blocks per SM, so a deeper ring per warp
+template <bool TILED>
+__host__ __device__ constexpr int ring_stages() { return TILED ? kTiledStages : kStages; }
 constexpr int kRowBytes = kChunk * 2 + 16;          // a ring row: one chunk + 16 bytes (no bank conflicts)
 constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
 
@@ -213,8 +216,8 @@ template <int KS>
 __host__ __device__ constexpr size_t red_bytes() { return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float); }
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile.
 template <int KS>
-constexpr size_t stream_smem_bytes() {
-    return std::max(size_t(kWarps) * kStages * kStageBytes, red_bytes<KS>());
+constexpr size_t stream_smem_bytes(bool tiled) {
+    return std::max(size_t(kWarps) * (tiled ? kTiledStages : kStages) * kStageBytes, red_bytes<KS>());
 }
 
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
@@ -246,9 +249,10 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 }
 
 // Ring-fed: 16-byte aligned x and w, K % 8 == 0, ldx % 8 == 0. Each warp streams its chunks
-// through kStages ring slots: the slot read at step i was filled kStages - 1 steps earlier, and
-// the slot freed at step i - 1 is refilled at the top of step i, so kStages - 1 chunks are in
-// flight per warp (no block-wide barrier until the epilogue). x is read from L2/L1 one chunk ahead.
+// through S ring slots (kStages; kTiledStages when TILED): the slot read at step i was filled
+// S - 1 steps earlier, and the slot freed at step i - 1 is refilled at the top of step i, so S - 1
+// chunks are in flight per warp (no block-wide barrier until the epilogue). x is read from L2/L1
+// one chunk ahead.
 //
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
@@ -262,9 +266,10 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XV, "row-major weights come with vectorized x here");
     constexpr bool xv = XV;
+    constexpr int S = ring_stages<TILED>();
     extern __shared__ __align__(16) unsigned char smem[];
     const WarpTile<KS> wt(K);
-    unsigned char *ring = smem + size_t(wt.warp) * kStages * kStageBytes;
+    unsigned char *ring = smem + size_t(wt.warp) * S * kStageBytes;
     const int n_chunks = int(max(int64_t(0), wt.c_end - wt.c_begin));
     // TILED: this warp's first tile (band col0 / 16, chunk c_begin); its chunks follow it.
     const bool band_ok = wt.col0 < N;  // a block's last groups may lie past N
@@ -272,11 +277,11 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
                                            (kTileRows * kTileCols)
                                      : 0);
 
-    // Chunk i of this warp into ring slot i % kStages: kNt * 8 rows x 8 pieces of 16 bytes, 8
+    // Chunk i of this warp into ring slot i % S: kNt * 8 rows x 8 pieces of 16 bytes, 8
     // consecutive lanes per 128-byte row segment.
     auto fill = [&](int i) {
         const int64_t c0 = (wt.c_begin + i) * kChunk;
-        unsigned char *slot = ring + (i % kStages) * kStageBytes;
+        unsigned char *slot = ring + (i % S) * kStageBytes;
         if constexpr (TILED) {  // one 2 KB tile: piece p at p * 16 bytes
             const bf16 *tile = tiles + int64_t(i) * (kTileRows * kTileCols);
 #pragma unroll
@@ -295,7 +300,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         }
     };
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
+    for (int i = 0; i < S - 1; ++i) {
         if (i < n_chunks) fill(i);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
@@ -319,13 +324,13 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     }
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
-        cp_async_wait<kStages - 2>();  // this lane's pieces of chunk i have landed
+        cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
         __syncwarp();                  // ... and every lane's; all are done reading chunk i - 1
-        if (i + kStages - 1 < n_chunks) fill(i + kStages - 1);
+        if (i + S - 1 < n_chunks) fill(i + S - 1);
         cp_async_commit();
 
         uint32_t wb[kNt][8];
-        const unsigned char *slot = ring + (i % kStages) * kStageBytes;
+        const unsigned char *slot = ring + (i % S) * kStageBytes;
 #pragma unroll
         for (int t = 0; t < kNt; ++t) {
             const unsigned char *row = slot + (t * 8 + wt.g) * kRowBytes + wt.q * 32;
@@ -376,7 +381,7 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
 }
 
 // Per-device facts, read once: SM count and how many gemm_stream_kernel blocks fit on an SM
-// (shared memory bound: kWarps rings of kStages chunks). Setting the kernels' dynamic shared
+// (shared memory bound: kWarps rings of kStages chunks; the tiled kernel's, register bound). Setting the kernels' dynamic shared
 // memory limit happens here too, before any launch or capture.
 struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
@@ -384,10 +389,12 @@ struct DeviceFacts {
 
 template <int KS, Epilogue E>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, true>, gemm_stream_kernel<KS, E, true, true>,
-                        gemm_stream_kernel<KS, E, true, false>})
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(gemm_stream_kernel<KS, E, false, true>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(stream_smem_bytes<KS>(false))));
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, true>, gemm_stream_kernel<KS, E, true, false>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(stream_smem_bytes<KS>())));
+                                               int(stream_smem_bytes<KS>(true))));
 }
 
 template <int KS>
@@ -414,11 +421,11 @@ const DeviceFacts &device_facts() {
         int blocks = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             &blocks, gemm_stream_kernel<8, Epilogue::Store, false, true>, kWarps * 32,
-            stream_smem_bytes<8>()));
+            stream_smem_bytes<8>(false)));
         f.stream_blocks_per_sm = blocks;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             &blocks, gemm_stream_kernel<8, Epilogue::Store, true, true>, kWarps * 32,
-            stream_smem_bytes<8>()));
+            stream_smem_bytes<8>(true)));
         f.tiled_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
     }
@@ -477,13 +484,13 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if (w_tiled && x_vec)
-            launch(gemm_stream_kernel<KS, E, true, true>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
+            launch(gemm_stream_kernel<KS, E, true, true>, grid, kWarps * 32, stream_smem_bytes<KS>(true), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else if (w_tiled)
-            launch(gemm_stream_kernel<KS, E, true, false>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
+            launch(gemm_stream_kernel<KS, E, true, false>, grid, kWarps * 32, stream_smem_bytes<KS>(true), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else if (stream)
-            launch(gemm_stream_kernel<KS, E, false, true>, grid, kWarps * 32, stream_smem_bytes<KS>(), s,
+            launch(gemm_stream_kernel<KS, E, false, true>, grid, kWarps * 32, stream_smem_bytes<KS>(false), s,
                 x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
         else
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s,
