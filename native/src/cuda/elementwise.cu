@@ -85,13 +85,16 @@ void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cuda
     if (n == 0) return;
     switch (src_dtype) {
         case DFLASH_DTYPE_F32:
-            launch(convert_kernel<float>, blocks_for(n), kThreads, 0, s, static_cast<const float *>(src), n, dst);
+            launch(convert_kernel<float>, blocks_for(n), kThreads, 0, s, static_cast<const float *>(src), n,
+                   dst);
             break;
         case DFLASH_DTYPE_F16:
-            launch(convert_kernel<__half>, blocks_for(n), kThreads, 0, s, static_cast<const __half *>(src), n, dst);
+            launch(convert_kernel<__half>, blocks_for(n), kThreads, 0, s, static_cast<const __half *>(src), n,
+                   dst);
             break;
         case DFLASH_DTYPE_BF16:
-            launch(convert_kernel<bf16>, blocks_for(n), kThreads, 0, s, static_cast<const bf16 *>(src), n, dst);
+            launch(convert_kernel<bf16>, blocks_for(n), kThreads, 0, s, static_cast<const bf16 *>(src), n,
+                   dst);
             break;
     }
     DFLASH_CUDA_LAUNCHED();

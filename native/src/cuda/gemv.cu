@@ -213,7 +213,9 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
 }
 
 template <int KS>
-__host__ __device__ constexpr size_t red_bytes() { return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float); }
+__host__ __device__ constexpr size_t red_bytes() {
+    return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float);
+}
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile.
 template <int KS>
 constexpr size_t stream_smem_bytes(bool tiled) {
@@ -381,8 +383,8 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
 }
 
 // Per-device facts, read once: SM count and how many gemm_stream_kernel blocks fit on an SM
-// (shared memory bound: kWarps rings of kStages chunks; the tiled kernel's, register bound). Setting the kernels' dynamic shared
-// memory limit happens here too, before any launch or capture.
+// (shared memory bound: kWarps rings of kStages chunks; the tiled kernel's, register bound).
+// Setting the kernels' dynamic shared memory limit happens here too, before any launch or capture.
 struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
 };
@@ -444,9 +446,9 @@ bool stream_enabled() {
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
-// only, never of M (that is what keeps verify logits equal to decode logits). Chosen to fill the resident block slots:
-// a score of blocks / slots for one partial wave, and the last wave's fill beyond that (1.45 waves
-// ran at 73% on the H200); fewer slices win unless more fill clearly better.
+// only, never of M (that is what keeps verify logits equal to decode logits). Chosen to fill the
+// resident block slots: a score of blocks / slots for one partial wave, and the last wave's fill
+// beyond that (1.45 waves ran at 73% on the H200); fewer slices win unless more fill clearly better.
 struct Tiling {
     int ks;
     int64_t block_cols() const { return int64_t(kWarps / ks) * kNt * 8; }
@@ -540,7 +542,8 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
             float multiplier, float softcap, float *out, cudaStream_t s) {
     if (M == 0) return;
-    launch_gemm<Epilogue::Logits>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, out, nullptr, s);
+    launch_gemm<Epilogue::Logits>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, out, nullptr,
+                                  s);
 }
 
 // An upper bound whatever the tiling: every block owns at least 8 columns.

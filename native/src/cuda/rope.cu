@@ -95,8 +95,9 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
         return;
     }
     const int64_t items = rows * heads;
-    launch(head_norm_rope_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, s, x, rows, int(heads), int(head_dim), ld, w, eps, positions, inv_freq,
-                                    attention_factor);
+    launch(head_norm_rope_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
+           kWarpsPerBlock * 32, 0, s, x, rows, int(heads), int(head_dim), ld, w, eps, positions,
+           inv_freq, attention_factor);
     DFLASH_CUDA_LAUNCHED();
 }
 
