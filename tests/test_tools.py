@@ -1,0 +1,56 @@
+"""tools/bench.py on the CPU (--tiny: tiny shapes on the host backend), so the script every GPU session runs cannot
+rot between device runs: the table's rows and the JSON, the end-to-end projection, and --variants' A/B table.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "bench.py")
+
+
+def _bench(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--iters", "2", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_rows_and_projection(tmp_path):
+    report, stdout = _bench(tmp_path, "--rows", "propose8b,verify,decode")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == {"propose8b", "verify", "decode"}
+    for r in rows.values():
+        assert r["ms"] > 0 and r["floor_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"])
+    proj = report["projection"]
+    assert proj["step_ms"] == pytest.approx(rows["propose8b"]["ms"] + rows["verify"]["ms"])
+    for p in proj["rows"]:  # speculative tok/s = tau / step, autoregressive = 1 / decode
+        assert p["spec_tokens_per_s"] == pytest.approx(p["tau"] * 1e3 / proj["step_ms"])
+        assert p["speedup"] == pytest.approx(p["spec_tokens_per_s"] / p["ar_tokens_per_s"])
+    assert "Projected end to end" in stdout
+
+
+def test_bench_without_the_projection_rows(tmp_path):
+    report, _ = _bench(tmp_path, "--rows", "decode")
+    assert report["projection"] is None
+
+
+def test_bench_variants(tmp_path):
+    report, stdout = _bench(tmp_path, "--variants", "default;DFLASH_HOST_TILED=1", "--rounds", "2", "--rows", "decode")
+    assert report["variants"] == ["default", "DFLASH_HOST_TILED=1"]
+    (row,) = report["rows"]
+    for label in report["variants"]:
+        runs = row["variants"][label]["runs_ms"]
+        assert len(runs) == 2 and all(ms > 0 for ms in runs)
+    assert "| decode 8B target, 1 row, ctx 1024 |" in stdout
+
+
+def test_bench_variants_reject_a_bad_setting(tmp_path):
+    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--variants", "default;NOT_A_SETTING"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "is not NAME=VALUE" in proc.stdout + proc.stderr
