@@ -16,7 +16,6 @@
 
 namespace dflash {
 
-// A row-major weight matrix [rows, cols] in backend memory.
 // The tiled GEMM weight layout a backend may ask for (Backend::tiles_gemm_weights): tiles of
 // kTileRows rows x kTileCols columns, each tile's rows contiguous (row-major inside the tile), the
 // tiles of one row band in column order, then the next band: element (r, c) of a [rows, cols]
@@ -27,7 +26,14 @@ constexpr int64_t kTileRows = 16, kTileCols = 64;
 inline int64_t tiled_elements(int64_t rows, int64_t cols) {
     return (rows + kTileRows - 1) / kTileRows * ((cols + kTileCols - 1) / kTileCols) * kTileRows * kTileCols;
 }
+// Where element (r, c) of a tiled matrix with `cols` columns sits.
+inline int64_t tiled_index(int64_t cols, int64_t r, int64_t c) {
+    const int64_t chunks = (cols + kTileCols - 1) / kTileCols;
+    return ((r / kTileRows) * chunks + c / kTileCols) * (kTileRows * kTileCols) + (r % kTileRows) * kTileCols +
+           c % kTileCols;
+}
 
+// A weight matrix [rows, cols] in backend memory: row-major, or tiled as above.
 struct WeightView {
     const void *data = nullptr;
     dflash_dtype dtype = DFLASH_DTYPE_F32;

@@ -489,35 +489,12 @@ public:
         h_->rms_norm(xf.data(), rows, groups, dim, ld_x, w, eps, yf.data(), ld_y);
         put(y, yf, "rms_norm");
     }
-    // The tiled GEMM layout (backend.hpp), on the CPU: tile here, untile before the host op.
-    void tile_gemm_weight(const WeightView &src, void *dst) override {
-        const int64_t chunks = (src.cols + kTileCols - 1) / kTileCols, total = tiled_elements(src.rows, src.cols);
-        const auto *in = static_cast<const uint16_t *>(src.data);
-        auto *out = static_cast<uint16_t *>(dst);
-        for (int64_t i = 0; i < total; ++i) {
-            const int64_t tile = i / (kTileRows * kTileCols), at = i % (kTileRows * kTileCols);
-            const int64_t r = tile / chunks * kTileRows + at / kTileCols, c = tile % chunks * kTileCols + at % kTileCols;
-            out[i] = r < src.rows && c < src.cols ? in[r * src.cols + c] : 0;
-        }
-    }
-    WeightView row_major(WeightView w) {
-        if (!w.tiled) return w;
-        const int64_t chunks = (w.cols + kTileCols - 1) / kTileCols;
-        untiled_.assign(size_t(w.rows * w.cols), 0);
-        const auto *in = static_cast<const uint16_t *>(w.data);
-        for (int64_t r = 0; r < w.rows; ++r)
-            for (int64_t c = 0; c < w.cols; ++c)
-                untiled_[size_t(r * w.cols + c)] =
-                    in[((r / kTileRows) * chunks + c / kTileCols) * kTileRows * kTileCols +
-                       (r % kTileRows) * kTileCols + c % kTileCols];
-        w.data = untiled_.data();
-        w.tiled = false;
-        return w;
-    }
+    // The tiled GEMM layout (backend.hpp): the host backend tiles and reads tiled views itself.
+    void tile_gemm_weight(const WeightView &src, void *dst) override { h_->tile_gemm_weight(src, dst); }
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
         std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
         std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
-        h_->gemm(xf.data(), m, ldx, row_major(w), yf.data(), ldy);
+        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy);
         put(y, yf, "gemm");
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -565,7 +542,7 @@ public:
     void logits_argmax(const void *hs, int64_t m, WeightView lm_head, float multiplier,
                        float softcap, int32_t *tokens) override {
         std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
-        h_->logits_argmax(hf.data(), m, row_major(lm_head), multiplier, softcap, tokens);
+        h_->logits_argmax(hf.data(), m, lm_head, multiplier, softcap, tokens);
         if (fault_ == "logits_argmax") tokens[m - 1] = int32_t((tokens[m - 1] + 1) % lm_head.rows);
     }
     void copy_rows(const void *src, int64_t ld_src, int64_t rows, int64_t width, void *dst,
@@ -578,7 +555,7 @@ public:
     void logits(const void *hs, int64_t m, WeightView lm_head, float multiplier, float softcap,
                 float *out) override {
         std::vector<float> hf = get(hs, size_t(m * lm_head.cols));
-        h_->logits(hf.data(), m, row_major(lm_head), multiplier, softcap, out);
+        h_->logits(hf.data(), m, lm_head, multiplier, softcap, out);
         if (fault_ == "logits") out[m * lm_head.rows - 1] += 1.f;
     }
     void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,
@@ -630,7 +607,6 @@ private:
     }
 
     std::shared_ptr<Backend> h_;
-    std::vector<uint16_t> untiled_;  // row_major()'s copy of a tiled weight
     std::string fault_;
 };
 

@@ -495,7 +495,6 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
             launch(attention_tc_kernel<64>, grid, kTcWarps * 32, 0, s,
                 q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
                 mask.window, keys, p.keys_per_split, out_part, ml_part);
-        DFLASH_CUDA_LAUNCHED();
     } else {
         const size_t smem = smem_bytes(head_dim);
         static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
@@ -509,12 +508,10 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
         launch(attention_split_kernel, grid, kWarps * 32, smem, s,
             q, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
-        DFLASH_CUDA_LAUNCHED();
     }
     if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
     launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
         out_part, ml_part, p.splits, int(nq), int(n_heads), int(head_dim), out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 }  // namespace cuda

@@ -97,7 +97,6 @@ void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cuda
                    dst);
             break;
     }
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
@@ -105,35 +104,30 @@ void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float
     if (n == 0) return;
     const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(n));
     launch(embed_kernel, grid, kThreads, 0, s, tokens, n, table, H, scale, out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s) {
     if (n == 0) return;
     launch(add_kernel, blocks_for(n), kThreads, 0, s, y, x, n);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s) {
     if (rows * inter == 0) return;
     launch(swiglu_kernel, blocks_for(rows * inter), kThreads, 0, s, gate_up, rows, inter, out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
                int64_t ld_dst, cudaStream_t s) {
     if (rows * width == 0) return;
     launch(copy_rows_kernel, blocks_for(rows * width), kThreads, 0, s, src, ld_src, rows, width, dst,
-                                                                   ld_dst);
-    DFLASH_CUDA_LAUNCHED();
+           ld_dst);
 }
 
 void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
               int64_t kv_width, bf16 *k_cache, bf16 *v_cache, cudaStream_t s) {
     if (rows * kv_width == 0) return;
     launch(kv_write_kernel, blocks_for(rows * kv_width), kThreads, 0, s, k, v, rows, ld, slots,
-                                                                     kv_width, k_cache, v_cache);
-    DFLASH_CUDA_LAUNCHED();
+           kv_width, k_cache, v_cache);
 }
 
 }  // namespace cuda

@@ -217,9 +217,9 @@ __host__ __device__ constexpr size_t red_bytes() {
     return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float);
 }
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile.
-template <int KS>
-constexpr size_t stream_smem_bytes(bool tiled) {
-    return std::max(size_t(kWarps) * (tiled ? kTiledStages : kStages) * kStageBytes, red_bytes<KS>());
+template <int KS, bool TILED>
+constexpr size_t stream_smem_bytes() {
+    return std::max(size_t(kWarps) * ring_stages<TILED>() * kStageBytes, red_bytes<KS>());
 }
 
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
@@ -267,7 +267,6 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XV, "row-major weights come with vectorized x here");
-    constexpr bool xv = XV;
     constexpr int S = ring_stages<TILED>();
     extern __shared__ __align__(16) unsigned char smem[];
     const WarpTile<KS> wt(K);
@@ -317,7 +316,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         if constexpr (TILED && XV)
             load_x16(x, ldx, row, ok, wt.m0, c0, wt.q, K, out);
         else
-            load16(x, ldx, row, ok, c0, wt.q, K, xv, out);
+            load16(x, ldx, row, ok, c0, wt.q, K, XV, out);
     };
     uint32_t x0[8], x1[8];
     if (n_chunks > 0) {
@@ -327,7 +326,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
-        __syncwarp();                  // ... and every lane's; all are done reading chunk i - 1
+        __syncwarp();            // ... and every lane's; all are done reading chunk i - 1
         if (i + S - 1 < n_chunks) fill(i + S - 1);
         cp_async_commit();
 
@@ -393,10 +392,10 @@ template <int KS, Epilogue E>
 void allow_stream_smem() {
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(gemm_stream_kernel<KS, E, false, true>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(stream_smem_bytes<KS>(false))));
+                                           int(stream_smem_bytes<KS, false>())));
     for (auto kernel : {gemm_stream_kernel<KS, E, true, true>, gemm_stream_kernel<KS, E, true, false>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(stream_smem_bytes<KS>(true))));
+                                               int(stream_smem_bytes<KS, true>())));
 }
 
 template <int KS>
@@ -423,11 +422,11 @@ const DeviceFacts &device_facts() {
         int blocks = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             &blocks, gemm_stream_kernel<8, Epilogue::Store, false, true>, kWarps * 32,
-            stream_smem_bytes<8>(false)));
+            stream_smem_bytes<8, false>()));
         f.stream_blocks_per_sm = blocks;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             &blocks, gemm_stream_kernel<8, Epilogue::Store, true, true>, kWarps * 32,
-            stream_smem_bytes<8>(true)));
+            stream_smem_bytes<8, true>()));
         f.tiled_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
     }
@@ -471,7 +470,8 @@ Tiling tiling(int64_t N, int64_t K, bool tiled) {
 }
 
 // w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
-// vectorizable, the register-fed one otherwise. All three run the same sums for one tiling.
+// vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
+// tiled weights have a tiling of their own (tiling(..., true)).
 template <Epilogue E>
 void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
             bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
@@ -485,18 +485,17 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
-        if (w_tiled && x_vec)
-            launch(gemm_stream_kernel<KS, E, true, true>, grid, kWarps * 32, stream_smem_bytes<KS>(true), s,
-                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
-        else if (w_tiled)
-            launch(gemm_stream_kernel<KS, E, true, false>, grid, kWarps * 32, stream_smem_bytes<KS>(true), s,
-                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
-        else if (stream)
-            launch(gemm_stream_kernel<KS, E, false, true>, grid, kWarps * 32, stream_smem_bytes<KS>(false), s,
-                x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out, partial);
-        else
-            launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s,
-                x, M, ldx, w, N, K, vectorized, y, ldy, multiplier, softcap, logits_out, partial);
+        if (w_tiled || stream) {
+            auto *kernel = !w_tiled ? gemm_stream_kernel<KS, E, false, true>
+                           : x_vec  ? gemm_stream_kernel<KS, E, true, true>
+                                    : gemm_stream_kernel<KS, E, true, false>;
+            const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
+            launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
+                   logits_out, partial);
+        } else {
+            launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
+                   multiplier, softcap, logits_out, partial);
+        }
     };
     using std::integral_constant;
     switch (t.ks) {
@@ -505,7 +504,6 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         case 4: go(integral_constant<int, 4>{}); break;
         default: go(integral_constant<int, 8>{}); break;
     }
-    DFLASH_CUDA_LAUNCHED();
 }
 
 }  // namespace
@@ -530,7 +528,6 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
     if (total == 0) return;
     const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
     launch(tile_weight_kernel, blocks, 256, 0, s, src, N, K, (K + kChunk - 1) / kChunk, total, dst);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
@@ -558,7 +555,6 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_
     auto *p = static_cast<ArgmaxPartial *>(partial);
     launch_gemm<Epilogue::Argmax>(x, M, K, w, w_tiled, V, K, nullptr, 0, multiplier, softcap, nullptr, p, s);
     launch(argmax_reduce_kernel, unsigned(M), 256, 0, s, p, tiling(V, K, w_tiled).blocks(V), tokens);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 }  // namespace cuda

@@ -110,12 +110,11 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
         const int64_t pieces = dim / 8;
         const unsigned threads = unsigned(std::min<int64_t>(1024, (pieces + 31) / 32 * 32));
         launch(rms_norm_vec_kernel, unsigned(rows * groups), threads, 0, s, x, groups, dim, ld_x, w, eps,
-                                                                        y, ld_y);
+               y, ld_y);
     } else {
         launch(rms_norm_kernel, unsigned(rows * groups), kThreads, 0, s, x, groups, dim, ld_x, w, eps, y,
-                                                                     ld_y);
+               ld_y);
     }
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
@@ -124,7 +123,6 @@ void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf1
     if (dim % 8 == 0 && aligned16(x) && aligned16(res) && aligned16(y) && aligned16(w)) {
         const unsigned threads = unsigned(std::min<int64_t>(1024, (dim / 8 + 31) / 32 * 32));
         launch(add_rms_norm_kernel, unsigned(rows), threads, 0, s, x, res, dim, w, eps, y);
-        DFLASH_CUDA_LAUNCHED();
     } else {  // the same roundings in two launches
         add(x, res, rows * dim, s);
         rms_norm(x, rows, 1, dim, dim, w, eps, y, dim, s);

@@ -98,7 +98,6 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
     launch(head_norm_rope_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
            kWarpsPerBlock * 32, 0, s, x, rows, int(heads), int(head_dim), ld, w, eps, positions,
            inv_freq, attention_factor);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -110,8 +109,7 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
     const dim3 block(unsigned(std::min(half, 128)), kHeadsPerBlock);
     const dim3 grid(unsigned(rows), unsigned((heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
     launch(rope_kernel, grid, block, 0, s, x, int(heads), int(head_dim), ld, positions, inv_freq,
-                                       attention_factor);
-    DFLASH_CUDA_LAUNCHED();
+           attention_factor);
 }
 
 }  // namespace cuda

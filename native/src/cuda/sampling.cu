@@ -268,26 +268,22 @@ void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, fl
                     int32_t top_k, cudaStream_t s) {
     if (m == 0) return;
     launch(sampling_probs_kernel, unsigned(m), kThreads, 0, s, rows, vocab, temperature, top_p, top_k);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void sample_rows(const float *probs, int64_t m, int64_t vocab, RngKey key, uint32_t first_row,
                  uint32_t purpose, int32_t *out, cudaStream_t s) {
     if (m == 0) return;
     launch(sample_rows_kernel, unsigned(m), kThreads, 0, s, probs, vocab, key, first_row, purpose, out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void greedy_accept(const int32_t *tokens, const int32_t *posterior, int64_t n, int32_t *out,
                    cudaStream_t s) {
     launch(greedy_accept_kernel, 1, 1, 0, s, tokens, posterior, n, out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 void rejection_accept(const float *p, const int32_t *tokens, const float *q, int64_t n,
                       int64_t vocab, RngKey key, int32_t *out, cudaStream_t s) {
     launch(rejection_accept_kernel, 1, kThreads, 0, s, p, tokens, q, n, vocab, key, out);
-    DFLASH_CUDA_LAUNCHED();
 }
 
 }  // namespace cuda

@@ -26,16 +26,9 @@ float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-// Element (r, c) of a tiled weight (backend.hpp's layout).
-int64_t tiled_index(const WeightView &w, int64_t r, int64_t c) {
-    const int64_t chunks = (w.cols + kTileCols - 1) / kTileCols;
-    return ((r / kTileRows) * chunks + c / kTileCols) * (kTileRows * kTileCols) + (r % kTileRows) * kTileCols +
-           c % kTileCols;
-}
-
 void load_row(WeightView w, int64_t row, float *out) {
     if (w.tiled) {  // DFLASH_HOST_TILED=1 only: the row's 64-wide pieces, tile by tile
-        for (int64_t c = 0; c < w.cols; ++c) out[c] = load_as_float(w.data, w.dtype, tiled_index(w, row, c));
+        for (int64_t c = 0; c < w.cols; ++c) out[c] = load_as_float(w.data, w.dtype, tiled_index(w.cols, row, c));
         return;
     }
     const int64_t base = row * w.cols;
@@ -104,11 +97,9 @@ public:
     void tile_gemm_weight(const WeightView &src, void *dst) override {
         const size_t elem = dtype_size(src.dtype);
         std::memset(dst, 0, size_t(tiled_elements(src.rows, src.cols)) * elem);
-        WeightView t = src;
-        t.tiled = true;
         for (int64_t r = 0; r < src.rows; ++r)
             for (int64_t c = 0; c < src.cols; ++c)
-                std::memcpy(static_cast<char *>(dst) + size_t(tiled_index(t, r, c)) * elem,
+                std::memcpy(static_cast<char *>(dst) + size_t(tiled_index(src.cols, r, c)) * elem,
                             static_cast<const char *>(src.data) + size_t(r * src.cols + c) * elem, elem);
     }
 
