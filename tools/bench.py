@@ -88,10 +88,18 @@ class Stream:
         err, self.handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
         assert err == rt.cudaError_t.cudaSuccess, err
 
+    profile_one_step = False  # --ncu-step: the CUDA profiler range covers one step after the warm-up
+
     def time_ms(self, fn, iters, warmup=10):
         rt = self.rt
         for _ in range(warmup):
             fn()
+        if self.profile_one_step:
+            rt.cudaDeviceSynchronize()
+            rt.cudaProfilerStart()
+            fn()
+            rt.cudaDeviceSynchronize()
+            rt.cudaProfilerStop()
         times = []
         _, start = rt.cudaEventCreate()
         _, stop = rt.cudaEventCreate()
@@ -388,6 +396,9 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a few steps (needs torch)")
+    ap.add_argument("--ncu-step", action="store_true",
+                    help="a CUDA profiler range around one step of each row, for ncu --profile-from-start off "
+                         "(tools/ncu_step.sh)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the host backend: a smoke run, no GPU")
     ap.add_argument("--variants", help='A/B: "default;NAME=VALUE,NAME=VALUE;..." (see the top of this file)')
     ap.add_argument("--rounds", type=int, default=2, help="--variants: runs of each variant")
@@ -400,6 +411,7 @@ def main(argv=None):
         QWEN3_4B.update(TINY, hidden_size=48)
         CTX.update(short=64, long=160)
     stream = HostClock() if args.tiny else Stream()
+    stream.profile_one_step = args.ncu_step and not args.tiny
     PROFILE["on"] = args.profile and not args.tiny
     bandwidth = stream.copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -849,7 +849,7 @@ void test_gemm() {
     struct NK { int64_t n, k; };
     std::vector<NK> nks = {{1, 64}, {17, 64}, {300, 136}, {1000, 512}, {2056, 1024}, {64, 4096}};
     if (g_opt.level == QUICK) {
-        ms = {1, 7, 17};
+        ms = {1, 7, 16, 17};  // 16: whole tiles (the ring-fed kernel's plain x loads)
         nks = {{1, 64}, {17, 64}, {300, 136}};
     }
     if (g_opt.level == SMOKE) {

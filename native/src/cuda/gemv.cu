@@ -12,8 +12,8 @@
 // block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
 // every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
 // With tiled weights (DFLASH_GEMM_TILED=1, experimental: backend.hpp's 16 x 64 tiles) the ring-fed
-// kernel reads each warp's share as one contiguous run and loads x without divergence; it keeps
-// up to 128 registers and a 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
+// kernel reads each warp's share as one contiguous run; it keeps up to 128 registers and a
+// 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
@@ -99,23 +99,37 @@ __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld
     }
 }
 
-// load16 for x in the tiled kernel, without divergence: a row past M reads the tile's first row
-// (valid whenever the block runs: M > m0) and is zeroed, so every lane takes the same 16-byte path
-// (the rows past M of a 1-row decode step otherwise send 7 of 8 lane groups down the element path).
-// The last, partial chunk of a K that is no multiple of 64 goes through load16.
-__device__ __forceinline__ void load_x16(const bf16 *__restrict__ x, int64_t ldx, int64_t row, bool row_ok,
-                                         int64_t m0, int64_t c0, int q, int64_t K, uint32_t out[8]) {
-    if (c0 + kChunk > K) {
-        load16(x, ldx, row, row_ok, c0, q, K, true, out);
-        return;
+// How the ring-fed kernel reads x: Element (load16's element path: any alignment), Masked (XRow:
+// 16-byte loads, rows past M and halves past K zeroed), Full (plain 16-byte loads: M % 16 == 0 and
+// K % 64 == 0, so nothing needs zeroing). They read the same values, so the sums are the same.
+enum class XLoad { Element, Masked, Full };
+
+// A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
+// past M reads the tile's first row (valid whenever the block runs: M > m0) and is zeroed, and an
+// 8-element half past K (K % 8 == 0: halves are wholly in or out) reads the row's start and is
+// zeroed, so every lane takes the same 16-byte path (the rows past M of a 1-row decode step
+// otherwise send 7 of 8 lane groups down load16's element path).
+struct XRow {
+    const bf16 *row;  // the row, or row m0 for a row past M
+    uint32_t keep;    // all ones for a row < M
+    __device__ XRow(const bf16 *x, int64_t ldx, int64_t r, bool r_ok, int64_t m0)
+        : row(x + (r_ok ? r : m0) * ldx), keep(r_ok ? 0xffffffffu : 0u) {}
+    // Every row of the tile < M and every chunk whole (M % 16 == 0, K % 64 == 0): plain loads.
+    __device__ __forceinline__ void load_full(int64_t c0, int q, uint32_t out[8]) const {
+        const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(row + c0 + q * 16));
+        const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(row + c0 + q * 16 + 8));
+        out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
+        out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
     }
-    const bf16 *p = x + (row_ok ? row : m0) * ldx + c0 + q * 16;
-    const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(p));
-    const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(p + 8));
-    const uint32_t keep = row_ok ? 0xffffffffu : 0u;
-    out[0] = v0.x & keep, out[1] = v0.y & keep, out[2] = v0.z & keep, out[3] = v0.w & keep;
-    out[4] = v1.x & keep, out[5] = v1.y & keep, out[6] = v1.z & keep, out[7] = v1.w & keep;
-}
+    __device__ __forceinline__ void load(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
+        const int64_t k0 = c0 + q * 16, k1 = k0 + 8;
+        const uint32_t keep0 = k0 < K ? keep : 0u, keep1 = k1 < K ? keep : 0u;
+        const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(row + (k0 < K ? k0 : 0)));
+        const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(row + (k1 < K ? k1 : 0)));
+        out[0] = v0.x & keep0, out[1] = v0.y & keep0, out[2] = v0.z & keep0, out[3] = v0.w & keep0;
+        out[4] = v1.x & keep1, out[5] = v1.y & keep1, out[6] = v1.z & keep1, out[7] = v1.w & keep1;
+    }
+};
 
 // Where a warp works: grid = (column blocks, ceil(M / 16)); block = kWarps warps; warp = group *
 // KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks.
@@ -258,15 +272,15 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 //
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
-// any layout (XV false: element loads). Not TILED: w row-major, x 16-byte vectorized (XV).
-template <int KS, Epilogue E, bool TILED, bool XV>
+// any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
+template <int KS, Epilogue E, bool TILED, XLoad XL>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial) {
     pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
-    static_assert(TILED || XV, "row-major weights come with vectorized x here");
+    static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     constexpr int S = ring_stages<TILED>();
     extern __shared__ __align__(16) unsigned char smem[];
     const WarpTile<KS> wt(K);
@@ -311,17 +325,20 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     pdl_wait();
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
-    // x rows: the tiled kernel's divergence-free load_x16 (vectorized x); otherwise load16.
-    auto load_x = [&](int64_t row, bool ok, int64_t c0, uint32_t out[8]) {
-        if constexpr (TILED && XV)
-            load_x16(x, ldx, row, ok, wt.m0, c0, wt.q, K, out);
+    // x rows: XRow's divergence-free loads when x is vectorized (every row-major launch); else load16.
+    const XRow xr0(x, ldx, wt.m0 + wt.g, row0_ok, wt.m0), xr1(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.m0);
+    auto load_x = [&](int r, int64_t c0, uint32_t out[8]) {  // r: 0 = row g, 1 = row g + 8
+        if constexpr (XL == XLoad::Full)
+            (r ? xr1 : xr0).load_full(c0, wt.q, out);
+        else if constexpr (XL == XLoad::Masked)
+            (r ? xr1 : xr0).load(c0, wt.q, K, out);
         else
-            load16(x, ldx, row, ok, c0, wt.q, K, XV, out);
+            load16(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
     uint32_t x0[8], x1[8];
     if (n_chunks > 0) {
-        load_x(wt.m0 + wt.g, row0_ok, wt.c_begin * kChunk, x0);
-        load_x(wt.m0 + wt.g + 8, row1_ok, wt.c_begin * kChunk, x1);
+        load_x(0, wt.c_begin * kChunk, x0);
+        load_x(1, wt.c_begin * kChunk, x1);
     }
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
@@ -343,8 +360,8 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         uint32_t n0[8] = {}, n1[8] = {};  // x of the next chunk, loaded before this one's mma
         if (i + 1 < n_chunks) {
             const int64_t c0 = (wt.c_begin + i + 1) * kChunk;
-            load_x(wt.m0 + wt.g, row0_ok, c0, n0);
-            load_x(wt.m0 + wt.g + 8, row1_ok, c0, n1);
+            load_x(0, c0, n0);
+            load_x(1, c0, n1);
         }
         mma_chunk(acc, x0, x1, wb);
 #pragma unroll
@@ -390,10 +407,11 @@ struct DeviceFacts {
 
 template <int KS, Epilogue E>
 void allow_stream_smem() {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(gemm_stream_kernel<KS, E, false, true>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, true>, gemm_stream_kernel<KS, E, true, false>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked>, gemm_stream_kernel<KS, E, false, XLoad::Full>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS, false>())));
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked>, gemm_stream_kernel<KS, E, true, XLoad::Full>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
 }
@@ -421,11 +439,11 @@ const DeviceFacts &device_facts() {
         allow_stream_smem_all<8>();
         int blocks = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, true>, kWarps * 32,
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, XLoad::Masked>, kWarps * 32,
             stream_smem_bytes<8, false>()));
         f.stream_blocks_per_sm = blocks;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, true>, kWarps * 32,
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked>, kWarps * 32,
             stream_smem_bytes<8, true>()));
         f.tiled_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
@@ -486,9 +504,11 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if (w_tiled || stream) {
-            auto *kernel = !w_tiled ? gemm_stream_kernel<KS, E, false, true>
-                           : x_vec  ? gemm_stream_kernel<KS, E, true, true>
-                                    : gemm_stream_kernel<KS, E, true, false>;
+            const bool full = M % kTileM == 0 && K % kChunk == 0;
+            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
+            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF> : gemm_stream_kernel<KS, E, false, kM>)
+                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF> : gemm_stream_kernel<KS, E, true, kM>)
+                                    : gemm_stream_kernel<KS, E, true, XLoad::Element>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
                    logits_out, partial);
