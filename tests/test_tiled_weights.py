@@ -1,10 +1,9 @@
 """The tiled GEMM weight layout (native/src/backend.hpp) through whole models, on the CPU.
 
-The cuda backend stores GEMM weights tiled when DFLASH_GEMM_TILED=1. DFLASH_HOST_TILED=1 makes the host backend
+The cuda backend stores GEMM weights tiled unless DFLASH_GEMM_TILED=0. DFLASH_HOST_TILED=1 makes the host backend
 tile the same tensors the same way (it is read at each finalize), so these tests cover the models' side of it:
-which tensors get tiled, the drafter's per-layer slices of its fused ctx K/V weight, a tied lm_head's tiled copy
-(embed_tokens stays row-major for the embedding gather), a drafter sharing its target's head and a standalone one
-with its own. The arithmetic is the same, so every output of a tiled run must equal the row-major run's exactly:
+which tensors get tiled, the drafter's per-layer slices of its fused ctx K/V weight, a tied lm_head (it stays the
+row-major embedding table), a drafter sharing its target's head and a standalone one with its own. The arithmetic is the same, so every output of a tiled run must equal the row-major run's exactly:
 tokens, acceptance lengths, drafts and the drafter's hidden states bit for bit.
 """
 import numpy as np
@@ -17,7 +16,7 @@ CASES = [
     # K = 72 and 200 (not multiples of the 64-wide tile), N = 300 (not a multiple of 16), 2 ctx K/V rows per layer
     dict(hidden_size=64, vocab_size=300, target_num_layers=3, num_layers=2, target_layer_ids=[0, 2], block_size=8,
          num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=72, target_intermediate_size=200),
-    # tied embeddings: lm_head is a tiled copy of embed_tokens
+    # tied embeddings: lm_head is embed_tokens, row-major, among tiled layer weights
     dict(hidden_size=128, vocab_size=512, target_num_layers=2, num_layers=1, target_layer_ids=[1], block_size=16,
          num_heads=8, num_kv_heads=1, head_dim=16, intermediate_size=128, tie_word_embeddings=True),
     # 2 * kv_width = 8 rows per layer: not a tile multiple, so the drafter keeps that fused weight row-major

@@ -162,12 +162,7 @@ void Drafter::finalize() {
     for (int i = 0; i < L; ++i)
         for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
             weights_.tile_for_gemm(layer_name(i, n));
-    if (!shared_) {
-        if (p_.tie_word_embeddings)
-            weights_.add_tiled_copy("embed_tokens.weight", "lm_head.weight");  // embed stays row-major
-        else
-            weights_.tile_for_gemm("lm_head.weight");
-    }
+    if (!shared_ && !p_.tie_word_embeddings) weights_.tile_for_gemm("lm_head.weight");  // tied: see Target
 
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
     const size_t cache_bytes =

@@ -108,10 +108,9 @@ void Target::finalize() {
     for (int i = 0; i < L; ++i)
         for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
             weights_->tile_for_gemm(layer_name(i, n));
-    if (p_.tie_word_embeddings)
-        weights_->add_tiled_copy("embed_tokens.weight", "lm_head.weight");  // embed stays row-major
-    else
-        weights_->tile_for_gemm("lm_head.weight");
+    // A tied lm_head stays row-major: it is the embedding table, which the gather reads by rows (a
+    // tiled copy would cost vocab x hidden more memory for a few percent of one GEMM).
+    if (!p_.tie_word_embeddings) weights_->tile_for_gemm("lm_head.weight");
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
     const size_t cache_bytes =
         size_t(total_blocks) * DFLASH_KV_BLOCK_SIZE * size_t(kv_width_) * act_size_;
@@ -190,7 +189,7 @@ void *Target::act(const DeviceBuffer &buffer, int64_t element_offset) const {
     return static_cast<char *>(buffer.get()) + element_offset * int64_t(act_size_);
 }
 
-WeightView Target::lm_head() const {  // tied: a tiled copy where the backend tiles GEMM weights
+WeightView Target::lm_head() const {  // tied: the embedding table itself
     return weights_->view(weights_->has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight");
 }
 

@@ -127,11 +127,4 @@ void WeightStore::tile_for_gemm(const std::string &name) {
     it->second = tiled_copy(it->second);
 }
 
-void WeightStore::add_tiled_copy(const std::string &from, const std::string &to) {
-    if (!backend_->tiles_gemm_weights() || tensors_.count(to)) return;
-    auto it = tensors_.find(from);
-    if (it == tensors_.end()) fail(DFLASH_STATUS_INTERNAL, "weight '", from, "' is not loaded");
-    tensors_.emplace(to, tiled_copy(it->second));
-}
-
 }  // namespace dflash

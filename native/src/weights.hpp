@@ -48,9 +48,6 @@ public:
     // Where the backend keeps row-major weights these change nothing.
     void tile_for_gemm(const std::string &name);
     Tensor tiled_for_gemm(Tensor t) const;
-    // A tiled copy of `from` stored as `to` (a tied lm_head: embed_tokens stays row-major for
-    // the embedding gather). Nothing where the backend keeps row-major weights.
-    void add_tiled_copy(const std::string &from, const std::string &to);
 
 private:
     Tensor tiled_copy(const Tensor &t) const;

@@ -225,7 +225,7 @@ Weight upload_weight(Backend &b, const std::vector<float> &w, int64_t rows, int6
 }
 
 // The same weight in the tiled GEMM layout (backend.hpp), made by the backend's own tiling
-// kernel, as WeightStore does when the backend asks for it (cuda with DFLASH_GEMM_TILED=1).
+// kernel, as WeightStore does when the backend asks for it (cuda unless DFLASH_GEMM_TILED=0).
 Weight tiled_weight(Backend &b, const Weight &w) {
     Weight out;
     out.buf = DeviceBuffer(&b, size_t(tiled_elements(w.view.rows, w.view.cols)) * dtype_size(w.view.dtype));

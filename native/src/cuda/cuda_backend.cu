@@ -142,11 +142,12 @@ public:
         cuda::gemm(as_bf16(x), m, ldx, weight_data(w, "gemm", true), w.tiled, w.rows, w.cols, as_bf16(y),
                    ldy, stream_);
     }
-    // Opt-in while the tiled kernels are unmeasured on a GPU: DFLASH_GEMM_TILED=1.
+    // On by default (measured on the H200: decode 8% faster, verify and propose the same or faster);
+    // DFLASH_GEMM_TILED=0 keeps row-major weights (an A/B switch).
     bool tiles_gemm_weights() const override {
         static const bool wanted = [] {
             const char *v = std::getenv("DFLASH_GEMM_TILED");
-            return v && v[0] == '1';
+            return !(v && v[0] == '0');
         }();
         return wanted && cuda::tiled_gemm_supported();
     }
@@ -267,7 +268,7 @@ bool cuda_compiled() { return true; }
 bool pdl_enabled() {
     static const bool allowed = [] {
         const char *v = std::getenv("DFLASH_PDL");
-        return v && v[0] == '1';
+        return !(v && v[0] == '0');
     }();
     static signed char by_device[64] = {};  // 0 unknown, 1 yes, -1 no
     if (!allowed) return false;

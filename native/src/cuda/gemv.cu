@@ -11,7 +11,7 @@
 // not by registers (the register-fed kernel reached 3.2-3.5 TB/s on the H200, one 150-register
 // block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
 // every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
-// With tiled weights (DFLASH_GEMM_TILED=1, experimental: backend.hpp's 16 x 64 tiles) the ring-fed
+// With tiled weights (the default; DFLASH_GEMM_TILED=0 keeps them row-major: backend.hpp's 16 x 64 tiles) the ring-fed
 // kernel reads each warp's share as one contiguous run; it keeps up to 128 registers and a
 // 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
 //
@@ -320,7 +320,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // The weights never change: their first chunks stream in while the kernels before this one
-    // finish (programmatic dependent launch, DFLASH_PDL=1); x is written by those kernels, so the
+    // finish (programmatic dependent launch, unless DFLASH_PDL=0); x is written by those kernels, so the
     // x loads wait.
     pdl_wait();
 

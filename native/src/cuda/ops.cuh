@@ -44,7 +44,7 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // gemv.cu: the small-M GEMM family. Every output element is computed in the same order
 // whatever M is (batch-invariant), so a verify row equals the same row decoded alone, and the
 // same whichever layout w has: row-major [N, K], or tiled (w_tiled; backend.hpp's layout).
-// w must be a weight: constant while kernels run (with DFLASH_PDL=1 the kernel starts reading it
+// w must be a weight: constant while kernels run (under programmatic launch the kernel starts reading it
 // before the kernels ahead of it on the stream have finished; see pdl_prologue in common.cuh).
 // Uploads and device copies (not kernels) that fill it are ordered as usual.
 // y[m, N] = x[m, K] . w[N, K]^T

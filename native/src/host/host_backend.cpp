@@ -87,9 +87,9 @@ public:
     }
 
     // Row-major weights, unless DFLASH_HOST_TILED=1: then GEMM weights are tiled as the cuda
-    // backend tiles them (DFLASH_GEMM_TILED=1), so the CPU tests cover the models' tiling (which
-    // tensors, slices, a tied lm_head's copy) with the same arithmetic, bit for bit. Read at
-    // each finalize.
+    // backend tiles them (its default), so the CPU tests cover the models' tiling (which tensors,
+    // slices, a tied lm_head left row-major) with the same arithmetic, bit for bit. Read at each
+    // finalize.
     bool tiles_gemm_weights() const override {
         const char *v = std::getenv("DFLASH_HOST_TILED");
         return v && v[0] == '1';
