@@ -32,6 +32,7 @@ BF16_MARGIN = 0.05  # relative to the row's logit scale: larger top-2 gaps must 
 SHARED_GPU = os.environ.get("DFLASH_TEST_SHARED_GPU") == "1"
 LIFECYCLE_CYCLES = int(os.environ.get("DFLASH_TEST_LIFECYCLE_CYCLES", "10000"))
 LOSSLESS_TRIALS = int(os.environ.get("DFLASH_TEST_LOSSLESS_TRIALS", "4"))  # prompts per lossless case
+LOSSLESS_TOKENS = int(os.environ.get("DFLASH_TEST_LOSSLESS_TOKENS", "48"))  # tokens generated per prompt
 GRAPH_STEPS = int(os.environ.get("DFLASH_TEST_GRAPH_STEPS", "40"))  # speculative steps per graph-test run
 
 
@@ -163,8 +164,8 @@ def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size
             Drafter.from_pretrained(draft_dir, target=target, max_seq_len=1024) as drafter:
         for trial in range(LOSSLESS_TRIALS):
             prompt = rng.integers(0, 300, size=int(rng.integers(*prompt_lengths))).tolist()
-            ar = pydflash.generate(target, None, prompt, 48).output_ids
-            spec = pydflash.generate(target, drafter, prompt, 48, block_size=block_size)
+            ar = pydflash.generate(target, None, prompt, LOSSLESS_TOKENS).output_ids
+            spec = pydflash.generate(target, drafter, prompt, LOSSLESS_TOKENS, block_size=block_size)
             assert spec.output_ids == ar, f"trial {trial}"
         for obj in (target, drafter):
             stats = obj.pool_stats()

@@ -449,19 +449,30 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                 # as graph replays; with replays, two of its workers died without a report (session
                 # 9: CUDA graphs of the cp.async GEMM), so by default it runs eagerly and skips the
                 # graph-replay test (SAN_RACECHECK_GRAPHS=1 keeps graphs).
-                graphs=${DFLASH_CUDA_GRAPHS:-1} only=()
-                if [[ $tool == racecheck && ${SAN_RACECHECK_GRAPHS:-0} == 0 ]] && (( ! QUICK )); then
-                    graphs=0 only=(-k "not graph_replays")
+                # racecheck also needs the most host memory (session 10: 30-54 GB per process; three
+                # workers were OOM-killed with four tools side by side), so it gets its own worker
+                # count (SAN_RACECHECK_WORKERS, default 3), 12 generated tokens per lossless prompt
+                # (SAN_RACECHECK_TOKENS) and a -k expression a later run can narrow (SAN_RACECHECK_K).
+                graphs=${DFLASH_CUDA_GRAPHS:-1} only=() tool_workers=("${workers[@]}")
+                tokens=${SAN_TOKENS:-48}
+                if [[ $tool == racecheck ]] && (( ! QUICK )); then
+                    if [[ ${SAN_RACECHECK_GRAPHS:-0} == 0 ]]; then
+                        graphs=0 only=(-k "${SAN_RACECHECK_K:-not graph_replays}")
+                    elif [[ -n ${SAN_RACECHECK_K:-} ]]; then
+                        only=(-k "$SAN_RACECHECK_K")
+                    fi
+                    tokens=${SAN_RACECHECK_TOKENS:-12}
+                    (( ${#workers[@]} )) && tool_workers=(-n "${SAN_RACECHECK_WORKERS:-3}")
                 fi
                 # test_cuda_ops.py only re-runs test_ops, which is sanitized directly.
                 # shellcheck disable=SC2086
                 DFLASH_CUDA_GRAPHS=$graphs \
                 DFLASH_TEST_SHARED_GPU=1 DFLASH_TEST_LIFECYCLE_CYCLES=${SAN_CYCLES:-30} \
-                    DFLASH_TEST_LOSSLESS_TRIALS=${SAN_TRIALS:-1} \
+                    DFLASH_TEST_LOSSLESS_TRIALS=${SAN_TRIALS:-1} DFLASH_TEST_LOSSLESS_TOKENS=$tokens \
                     DFLASH_TEST_GRAPH_STEPS=${SAN_GRAPH_STEPS:-10} \
                     sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
                     "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -v -x --durations=0 \
-                    -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${workers[@]}" "${subset[@]}" "${only[@]}" \
+                    -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${tool_workers[@]}" "${subset[@]}" "${only[@]}" \
                     $PYTEST_ARGS tests &
                 pids+=($!)
             fi
