@@ -6,11 +6,13 @@ Rows (issue 5), batch 1, bf16, random weights at real checkpoint shapes (not zer
   propose  Qwen3-4B-DFlash-b16 shapes (H 2560, I 9728), context 1024
   verify   Qwen3-8B target, 16 rows at context 1024
   decode   Qwen3-8B target, 1 row at context 1024
+  *_cap32k verify, decode and the 8B propose again at context 1024, in sequences of capacity 32768 (a deployment's
+           max_seq_len): what a large capacity costs (attention's key splits are sized by capacity)
 For each: the floor = bytes of weights a step must read / copy bandwidth measured in the same run (a
 device-to-device copy), our median time (CUDA events on our stream, >= 100 steps after warm-up), the ratio,
 and, when torch + transformers + dflash import, the reference's median time measured the same way.
 
-    python3 tools/bench.py [--rows propose8b,propose8b_8k,propose4b,verify,decode] [--iters 100]
+    python3 tools/bench.py [--rows propose8b,propose8b_8k,propose4b,verify,decode,verify_cap32k,...] [--iters 100]
                            [--no-reference] [--json OUT.json] [--plot OUT.png]
     python3 tools/bench.py --variants "default;DFLASH_GEMM_STREAM=0" [--rounds 2] [--rows ...]
 
@@ -37,7 +39,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=3
                 head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                 max_position_embeddings=40960, tie_word_embeddings=False)
 QWEN3_4B = dict(QWEN3_8B, hidden_size=2560, intermediate_size=9728)
-CTX = {"short": 1024, "long": 8192}  # --tiny shrinks these and the shapes above (a host-backend smoke run)
+CTX = {"short": 1024, "long": 8192, "ring": 32768}  # ring: a deployment's max_seq_len; --tiny shrinks these and the shapes above (a host-backend smoke run)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512)
 
@@ -234,11 +236,12 @@ class DeviceRows:
             self.rt.cudaFree(self.ptr)
 
 
-def bench_propose(stream, pool, base, ctx, iters):
+def bench_propose(stream, pool, base, ctx, iters, max_seq_len=None):
     """Steady state of a decode loop: 7 committed rows arrive (device to device), then a 16-row block is proposed.
-    The context grows by 7 rows a step (ctx + 7 * (iters + warm-up) at the end)."""
+    The context grows by 7 rows a step (ctx + 7 * (iters + warm-up) at the end). max_seq_len: the sequence's
+    capacity (default: just what the run needs)."""
     steps = 2 * (iters + 20) + 30  # every timing (and profile) run appends rows
-    budget = ctx + 16 + 8 * steps
+    budget = max(ctx + 16 + 8 * steps, max_seq_len or 0)
     drafter, floor_bytes = build_drafter(stream, pool, base, max_seq_len=budget)
     rows = DeviceRows(pool, ctx + 7, drafter.feature_width, on_device=stream.backend == "cuda")
     seq = drafter.new_sequence(budget)
@@ -254,17 +257,21 @@ def bench_propose(stream, pool, base, ctx, iters):
         seq.after_verify(6)  # nothing staged (no target verify here): the 7 rows were appended above
 
     ms = stream.time_ms(step, iters)
-    profile_steps(f"propose {base['hidden_size']} ctx {ctx}", step)
+    profile_steps(f"propose {base['hidden_size']} ctx {ctx}" + (f" of {budget}" if max_seq_len else ""), step)
     seq.close()
     drafter.close()
     rows.free()
     return ms, floor_bytes
 
 
-def bench_target(stream, pool, rows, iters):
+def bench_target(stream, pool, rows, iters, max_seq_len=None):
+    """One verify of `rows` rows at context 1024, rolled back after each step. max_seq_len: the sequence's
+    capacity (default ctx + 64; CUDA graphs size attention's key splits by capacity, so a deployment's
+    max_seq_len is a row of its own)."""
     ctx = CTX["short"]
-    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64, prefill_chunk=256)
-    seq = target.new_sequence(ctx + 64)
+    capacity = max_seq_len or ctx + 64
+    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=capacity, prefill_chunk=256)
+    seq = target.new_sequence(capacity)
     prompt = np.random.default_rng(2).integers(0, QWEN3_8B["vocab_size"], size=ctx).tolist()
     token = seq.prefill(prompt)
     block = [token] + [7] * (rows - 1)
@@ -274,7 +281,7 @@ def bench_target(stream, pool, rows, iters):
         seq.rollback(accepted + 1)  # back to context ctx
 
     ms = stream.time_ms(step, iters)
-    profile_steps(f"verify {rows} rows", step)
+    profile_steps(f"verify {rows} rows" + (f" of {capacity}" if max_seq_len else ""), step)
     seq.close()
     target.close()
     return ms, floor_bytes
@@ -385,6 +392,15 @@ ROWS = {
                lambda it: reference_target(16, it)),
     "decode": ("decode 8B target, 1 row, ctx 1024", 3.90, lambda s, p, it: bench_target(s, p, 1, it),
                lambda it: reference_target(1, it)),
+    # The same steps in sequences of capacity 32768 (a deployment's max_seq_len), still at context 1024: the
+    # goal is that capacity costs nothing. No reference row (its time does not depend on a capacity).
+    "verify_cap32k": ("verify 8B target, 16 rows, ctx 1024 of 32768", 4.10,
+                      lambda s, p, it: bench_target(s, p, 16, it, max_seq_len=CTX["ring"]), None),
+    "decode_cap32k": ("decode 8B target, 1 row, ctx 1024 of 32768", 3.90,
+                      lambda s, p, it: bench_target(s, p, 1, it, max_seq_len=CTX["ring"]), None),
+    "propose8b_cap32k": ("propose 8B drafter, ctx 1024 of 32768", 0.90,
+                         lambda s, p, it: bench_propose(s, p, QWEN3_8B, CTX["short"], it, max_seq_len=CTX["ring"]),
+                         None),
 }
 
 
@@ -409,7 +425,7 @@ def main(argv=None):
     if args.tiny:
         QWEN3_8B.update(TINY)
         QWEN3_4B.update(TINY, hidden_size=48)
-        CTX.update(short=64, long=160)
+        CTX.update(short=64, long=160, ring=640)
     stream = HostClock() if args.tiny else Stream()
     stream.profile_one_step = args.ncu_step and not args.tiny
     PROFILE["on"] = args.profile and not args.tiny
@@ -425,13 +441,13 @@ def main(argv=None):
         floor_ms = floor_bytes / bandwidth * 1e3
         row = {"row": key, "title": title, "floor_ms": floor_ms, "bytes": floor_bytes, "ms": ms,
                "ratio": ms / floor_ms, "goal_ms": goal_ms}
-        if with_reference:
+        if with_reference and reference:
             try:
                 row["reference_ms"] = reference(max(20, args.iters // 5))
             except Exception as e:  # the reference is optional; say why it is missing
                 row["reference_error"] = f"{type(e).__name__}: {e}"
         results.append(row)
-        print(f"{title:40s} floor {floor_ms:6.3f} ms  ours {ms:7.3f} ms  x{ms / floor_ms:5.2f}  goal {goal_ms:.2f}"
+        print(f"{title:46s} floor {floor_ms:6.3f} ms  ours {ms:7.3f} ms  x{ms / floor_ms:5.2f}  goal {goal_ms:.2f}"
               + (f"  reference {row['reference_ms']:7.2f} ms" if "reference_ms" in row else "")
               + f"  ({time.time() - t0:.0f} s)", flush=True)
 
