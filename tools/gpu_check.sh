@@ -34,6 +34,13 @@
 #                        command): a stage that would start with under 20 s left is skipped, and every
 #                        stage runs under `timeout` with what is left, so the summary is always written
 #
+# Sanitizer knobs (environment): SAN_WORKERS (pytest-xdist workers per tool, default 3),
+# SAN_CYCLES (lifecycle cycles, 30), SAN_TRIALS (prompts per lossless case, 1), SAN_TOKENS (tokens
+# per lossless prompt, 48), SAN_GRAPH_STEPS (graph-test steps, 10); racecheck: SAN_RACECHECK_WORKERS
+# (3), SAN_RACECHECK_TOKENS (12), SAN_RACECHECK_GRAPHS=1 (keep graphs and the graph-replay test),
+# SAN_RACECHECK_K (its pytest -k; default "not graph_replays"), e.g. to finish in a second run
+#   SAN_RACECHECK_K="sampling or smoke or ten_thousand" tools/gpu_check.sh --no-ops --sanitizers racecheck
+#
 # Output (the device tool brings back at most 8 files from $OUT, 2 folders deep):
 #   $OUT/summary.json    machine-readable: ok, stages (status, rc, seconds), test counts, sanitizer
 #                        error counts, device memory before/after, device, seed
