@@ -113,13 +113,13 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t
 }
 
 // Programmatic dependent launch (sm_90+, on by default; DFLASH_PDL=0 turns it off; measured on the
-// H200: propose 4-6% and decode 4% faster, verify the same): kernels are launched with programmatic stream serialization, so the next kernel's
-// blocks may be scheduled while this one drains. Each kernel starts with pdl_prologue(): it lets
-// its own successor launch, then waits until every kernel before it has finished and its writes
-// are visible; nothing before that wait touches memory that an earlier kernel writes
-// (gemm_stream_kernel alone starts streaming its constant weights first). Launched without the
-// attribute (DFLASH_PDL=0, or below sm_90), both instructions return at once (CUTLASS and rtp-llm kernels carry
-// them the same way); below sm_90 they are absent.
+// H200: propose 4-6% and decode 4% faster, verify the same): kernels are launched with programmatic
+// stream serialization, so the next kernel's blocks may be scheduled while this one drains. Each
+// kernel starts with pdl_prologue(): it lets its own successor launch, then waits until every
+// kernel before it has finished and its writes are visible; nothing before that wait touches
+// memory that an earlier kernel writes (gemm_stream_kernel alone starts streaming its constant
+// weights first). Launched without the attribute (DFLASH_PDL=0), both instructions return at once
+// (CUTLASS and rtp-llm kernels carry them the same way); below sm_90 they are absent.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

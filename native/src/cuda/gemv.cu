@@ -11,9 +11,9 @@
 // not by registers (the register-fed kernel reached 3.2-3.5 TB/s on the H200, one 150-register
 // block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
 // every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
-// With tiled weights (the default; DFLASH_GEMM_TILED=0 keeps them row-major: backend.hpp's 16 x 64 tiles) the ring-fed
-// kernel reads each warp's share as one contiguous run; it keeps up to 128 registers and a
-// 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
+// With tiled weights (backend.hpp's 16 x 64 tiles; the default, DFLASH_GEMM_TILED=0 keeps them
+// row-major) the ring-fed kernel reads each warp's share as one contiguous run; it keeps up to 128
+// registers and a 6-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots.
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
@@ -407,10 +407,12 @@ struct DeviceFacts {
 
 template <int KS, Epilogue E>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked>, gemm_stream_kernel<KS, E, false, XLoad::Full>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked>, gemm_stream_kernel<KS, E, true, XLoad::Full>,
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full>,
                         gemm_stream_kernel<KS, E, true, XLoad::Element>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
@@ -506,8 +508,10 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF> : gemm_stream_kernel<KS, E, false, kM>)
-                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF> : gemm_stream_kernel<KS, E, true, kM>)
+            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF>
+                                            : gemm_stream_kernel<KS, E, false, kM>)
+                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF>
+                                            : gemm_stream_kernel<KS, E, true, kM>)
                                     : gemm_stream_kernel<KS, E, true, XLoad::Element>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
