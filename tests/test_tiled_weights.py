@@ -3,8 +3,9 @@
 The cuda backend stores GEMM weights tiled unless DFLASH_GEMM_TILED=0. DFLASH_HOST_TILED=1 makes the host backend
 tile the same tensors the same way (it is read at each finalize), so these tests cover the models' side of it:
 which tensors get tiled, the drafter's per-layer slices of its fused ctx K/V weight, a tied lm_head (it stays the
-row-major embedding table), a drafter sharing its target's head and a standalone one with its own. The arithmetic is the same, so every output of a tiled run must equal the row-major run's exactly:
-tokens, acceptance lengths, drafts and the drafter's hidden states bit for bit.
+row-major embedding table), a drafter sharing its target's head and a standalone one with its own. The arithmetic
+is the same, so every output of a tiled run must equal the row-major run's exactly: tokens, acceptance lengths,
+drafts and the drafter's hidden states bit for bit.
 """
 import numpy as np
 import pytest

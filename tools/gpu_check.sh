@@ -453,13 +453,13 @@ if (( SANITIZE )) && (( BUILD_OK )); then
             fi
             if (( PYTEST )); then
                 # racecheck checks shared memory within a kernel, which eager launches cover as well
-                # as graph replays; with replays, two of its workers died without a report (session
-                # 9: CUDA graphs of the cp.async GEMM), so by default it runs eagerly and skips the
-                # graph-replay test (SAN_RACECHECK_GRAPHS=1 keeps graphs).
-                # racecheck also needs the most host memory (session 10: 30-54 GB per process; three
-                # workers were OOM-killed with four tools side by side), so it gets its own worker
-                # count (SAN_RACECHECK_WORKERS, default 3), 12 generated tokens per lossless prompt
-                # (SAN_RACECHECK_TOKENS) and a -k expression a later run can narrow (SAN_RACECHECK_K).
+                # as graph replays, so by default it runs eagerly and skips the graph-replay test, the
+                # slowest one under it (SAN_RACECHECK_GRAPHS=1 keeps graphs). It also needs the most
+                # host memory: workers that died without a report were taken by the host's OOM killer
+                # at 30-54 GB each, with four tools side by side (session 10's log; session 9's deaths
+                # looked the same but predate the log). So it gets
+                # its own worker count (SAN_RACECHECK_WORKERS, default 3), 12 generated tokens per
+                # lossless prompt (SAN_RACECHECK_TOKENS) and a -k a later run can narrow (SAN_RACECHECK_K).
                 graphs=${DFLASH_CUDA_GRAPHS:-1} only=() tool_workers=("${workers[@]}")
                 tokens=${SAN_TOKENS:-48}
                 if [[ $tool == racecheck ]] && (( ! QUICK )); then

@@ -134,7 +134,7 @@ WeightView Drafter::embed() const {
 
 WeightView Drafter::lm_head() const {
     if (shared_) return shared_->store->view(shared_->lm_head_name);
-    return weights_.view(weights_.has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight");
+    return weights_.view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
 }
 
 void Drafter::finalize() {

@@ -76,7 +76,7 @@ std::shared_ptr<const SharedHead> Target::shared_head() const {
     auto head = std::make_shared<SharedHead>();
     head->store = weights_;
     head->embed_name = "embed_tokens.weight";
-    head->lm_head_name = weights_->has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight";
+    head->lm_head_name = p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight";
     return head;
 }
 
@@ -189,8 +189,8 @@ void *Target::act(const DeviceBuffer &buffer, int64_t element_offset) const {
     return static_cast<char *>(buffer.get()) + element_offset * int64_t(act_size_);
 }
 
-WeightView Target::lm_head() const {  // tied: the embedding table itself
-    return weights_->view(weights_->has("lm_head.weight") ? "lm_head.weight" : "embed_tokens.weight");
+WeightView Target::lm_head() const {
+    return weights_->view(p_.tie_word_embeddings ? "embed_tokens.weight" : "lm_head.weight");
 }
 
 void Target::check_tokens(const int32_t *tokens, int32_t n) const {
