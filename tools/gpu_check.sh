@@ -19,6 +19,7 @@
 #   --no-sanitizer       skip compute-sanitizer
 #   --only-ops           no pip install and no pytest: build test_ops with cmake, run it (+ sanitizers)
 #   --no-pytest          skip the pytest stages (plain and sanitized)
+#   --ops-sanitizers     sanitizers over test_ops only (the plain pytest stage still runs): about 2 minutes
 #   --sanitizers LIST    comma list of compute-sanitizer tools (default memcheck,racecheck,initcheck,synccheck)
 #   --ops-args "ARGS"    extra arguments for the plain test_ops run (e.g. "--full", "--filter gemm")
 #   --ops-san-level L    test_ops level under the sanitizers: smoke | quick (default) | default
@@ -54,7 +55,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 
-QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN="" LEAN=0
+QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 SAN_PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN="" LEAN=0
 SANITIZERS=memcheck,racecheck,initcheck,synccheck
 OPS_ARGS="" OPS_SAN_LEVEL=quick PYTEST_ARGS="" SEED="" BUDGET=${GPU_CHECK_BUDGET:-560}
 while [[ $# -gt 0 ]]; do
@@ -63,6 +64,7 @@ while [[ $# -gt 0 ]]; do
         --no-sanitizer) SANITIZE=0 ;;
         --only-ops) ONLY_OPS=1; PYTEST=0 ;;
         --no-pytest) PYTEST=0 ;;
+        --ops-sanitizers) SAN_PYTEST=0 ;;
         --no-ops) OPS=0 ;;
         --bench) BENCH=1; BENCH_ARGS=$2; shift ;;
         --then) THEN=$2; shift ;;
@@ -222,7 +224,7 @@ EOF
     # Individual logs travel as one archive (the device tool returns at most 8 files).
     tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 }
-ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
+ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST san_pytest=$SAN_PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
 trap 'summarize "$ALL_ARGS"' EXIT
 
 fail_stage() { OVERALL_OK=0; }
@@ -437,7 +439,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
         if python3 -c 'import xdist' 2>/dev/null && (( ${SAN_WORKERS:-3} > 1 )); then
             workers=(-n "${SAN_WORKERS:-3}")
         fi
-        echo "=== sanitizers [t=$(elapsed) s]: ${tools[*]}, over test_ops (ops=$OPS) and pytest (pytest=$PYTEST), in parallel"
+        echo "=== sanitizers [t=$(elapsed) s]: ${tools[*]}, over test_ops (ops=$OPS) and pytest (pytest=$((PYTEST && SAN_PYTEST))), in parallel"
         pids=()
         for tool in "${tools[@]}"; do
             extra=()
@@ -451,7 +453,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                     "${san[@]}" "$TEST_OPS" --seed "$SEED" "${ops_level[@]}" &
                 pids+=($!)
             fi
-            if (( PYTEST )); then
+            if (( PYTEST && SAN_PYTEST )); then
                 # racecheck checks shared memory within a kernel, which eager launches cover as well
                 # as graph replays, so by default it runs eagerly and skips the graph-replay test, the
                 # slowest one under it (SAN_RACECHECK_GRAPHS=1 keeps graphs). It also needs the most
