@@ -152,8 +152,9 @@ public:
                           const int32_t *slots, int64_t kv_width, void *k_cache,
                           void *v_cache) = 0;
     // out[nq, n_heads*head_dim] = softmax(q k^T * scale + mask) v over the paged keys;
-    // q: [nq, n_heads*head_dim], query positions q_positions[nq] (device).
-    virtual void attention(const void *q, int64_t nq, const int32_t *q_positions,
+    // q: nq rows of n_heads*head_dim at row stride ldq (>= n_heads*head_dim, even: a fused
+    // q/k/v row), query positions q_positions[nq] (device).
+    virtual void attention(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions,
                            int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                            AttentionMask mask, const PagedKeys &keys, void *out) = 0;
     virtual void add(void *y, const void *x, int64_t n) = 0;  // y += x

@@ -437,8 +437,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         keys.k_cache = k_cache_[l].get();
         keys.v_cache = v_cache_[l].get();
         AttentionMask mask{layer.causal, layer.window};
-        backend_->attention(q_.get(), width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
-                            mask, keys, attn_.get());
+        backend_->attention(q_.get(), q_width_, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
+                            keys, attn_.get());
         backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
         backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
         backend_->gemm(xn_.get(), width, H, layer.gate_up, gate_up_.get(), 2 * p_.intermediate_size);

@@ -97,7 +97,8 @@ void Target::finalize() {
     const int L = p_.num_layers;
     std::vector<WeightStore::Tensor> fused;
     for (int i = 0; i < L; ++i) {
-        fused.push_back(weights_->fuse_rows({layer_name(i, "self_attn.k_proj.weight"),
+        fused.push_back(weights_->fuse_rows({layer_name(i, "self_attn.q_proj.weight"),
+                                             layer_name(i, "self_attn.k_proj.weight"),
                                              layer_name(i, "self_attn.v_proj.weight")}));
         fused.push_back(weights_->fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                              layer_name(i, "mlp.up_proj.weight")}));
@@ -106,7 +107,7 @@ void Target::finalize() {
     // tiled in place, idempotently, so a finalize that fails later can simply be retried).
     for (auto &t : fused) t = weights_->tiled_for_gemm(std::move(t));
     for (int i = 0; i < L; ++i)
-        for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
+        for (const char *n : {"self_attn.o_proj.weight", "mlp.down_proj.weight"})
             weights_->tile_for_gemm(layer_name(i, n));
     // A tied lm_head stays row-major: it is the embedding table, which the gather reads by rows (a
     // tiled copy would cost vocab x hidden more memory for a few percent of one GEMM).
@@ -130,8 +131,8 @@ void Target::finalize() {
 
     const size_t r = size_t(max_rows_), a = act_size_, H = size_t(p_.hidden_size);
     const size_t I = size_t(p_.intermediate_size), V = size_t(p_.vocab_size);
-    DeviceBuffer x(b, r * H * a), xn(b, r * H * a), q(b, r * size_t(q_width_) * a),
-        kv(b, r * 2 * size_t(kv_width_) * a), attn(b, r * size_t(q_width_) * a),
+    DeviceBuffer x(b, r * H * a), xn(b, r * H * a), qkv(b, r * size_t(qkv_width()) * a),
+        attn(b, r * size_t(q_width_) * a),
         gu(b, r * 2 * I * a), mlp(b, r * I * a),
         logits(b, size_t(p_.max_verify_rows) * V * sizeof(float)),
         step(b, (4 * r + 3 + size_t(blocks_per_seq_)) * sizeof(int32_t));
@@ -141,19 +142,18 @@ void Target::finalize() {
     v_cache_ = std::move(v_cache);
     inv_freq_ = std::move(inv_freq);
     key_positions_ = std::move(key_positions);
-    x_ = std::move(x); xn_ = std::move(xn); q_ = std::move(q); kv_ = std::move(kv);
+    x_ = std::move(x); xn_ = std::move(xn); qkv_ = std::move(qkv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     logits_ = std::move(logits); step_i32_ = std::move(step);
     layers_.clear();
     for (int i = 0; i < L; ++i) {
-        for (const char *n : {"self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        for (const char *n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                               "mlp.gate_proj.weight", "mlp.up_proj.weight"})
             weights_->erase(layer_name(i, n));
         Layer layer;
         layer.input_norm = weights_->view(layer_name(i, "input_layernorm.weight"));
         layer.post_norm = weights_->view(layer_name(i, "post_attention_layernorm.weight"));
-        layer.q_proj = weights_->view(layer_name(i, "self_attn.q_proj.weight"));
-        layer.kv_proj = fused_[size_t(2 * i)].view();
+        layer.qkv_proj = fused_[size_t(2 * i)].view();
         if (p_.arch == DFLASH_ARCH_QWEN3) {
             layer.q_norm = weights_->view(layer_name(i, "self_attn.q_norm.weight"));
             layer.k_norm = weights_->view(layer_name(i, "self_attn.k_norm.weight"));
@@ -247,23 +247,23 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
 
     auto ops = [&] {
         backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
-        const int64_t kv2 = 2 * kv_width_;
+        const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
+        void *k = act(qkv_, q_width_), *v = act(qkv_, q_width_ + kv_width_);
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
         // Each layer's input norm is fused with the residual add that ends the layer before it.
         backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
-            backend_->gemm(xn_.get(), n, H, layer.q_proj, q_.get(), q_width_);
-            backend_->gemm(xn_.get(), n, H, layer.kv_proj, kv_.get(), kv2);
-            backend_->head_norm_rope(q_.get(), n, nh, hd, q_width_, qk_norm ? &layer.q_norm : nullptr, eps,
+            backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq);
+            backend_->head_norm_rope(qkv_.get(), n, nh, hd, ldq, qk_norm ? &layer.q_norm : nullptr, eps,
                                      d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-            backend_->head_norm_rope(kv_.get(), n, nkv, hd, kv2, qk_norm ? &layer.k_norm : nullptr, eps,
+            backend_->head_norm_rope(k, n, nkv, hd, ldq, qk_norm ? &layer.k_norm : nullptr, eps,
                                      d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-            backend_->kv_write(kv_.get(), act(kv_, kv_width_), n, kv2, d_slots, kv_width_,
-                               k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
+            backend_->kv_write(k, v, n, ldq, d_slots, kv_width_, k_cache_[size_t(l)].get(),
+                               v_cache_[size_t(l)].get());
             keys.k_cache = k_cache_[size_t(l)].get();
             keys.v_cache = v_cache_[size_t(l)].get();
-            backend_->attention(q_.get(), n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+            backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                                 AttentionMask{true, 0}, keys, attn_.get());
             backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
             backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());

@@ -71,7 +71,7 @@ public:
 
 private:
     struct Layer {
-        WeightView input_norm, post_norm, q_proj, kv_proj, q_norm, k_norm, o_proj, gate_up, down;
+        WeightView input_norm, post_norm, qkv_proj, q_norm, k_norm, o_proj, gate_up, down;
     };
 
     void require_finalized(const char *what) const;
@@ -89,16 +89,17 @@ private:
     std::shared_ptr<WeightStore> weights_;
     bool finalized_ = false;
     int64_t q_width_ = 0, kv_width_ = 0;
+    int64_t qkv_width() const { return q_width_ + 2 * kv_width_; }
     int32_t max_rows_ = 0, blocks_per_seq_ = 0;
     size_t act_size_ = 4;
     RopeTable rope_;
 
-    std::vector<WeightStore::Tensor> fused_;  // per layer: [K;V] then [gate;up]
+    std::vector<WeightStore::Tensor> fused_;  // per layer: [Q;K;V] then [gate;up]
     std::vector<Layer> layers_;
     BlockPool pool_;
     std::vector<DeviceBuffer> k_cache_, v_cache_;
     DeviceBuffer inv_freq_, key_positions_;  // key_positions_: 0, 1, 2, ... (slot r is position r)
-    DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, logits_, capture_;
+    DeviceBuffer x_, xn_, qkv_, attn_, gate_up_, mlp_, logits_, capture_;
     int64_t capture_width_ = 0;
     // A forward's arguments at fixed offsets (so one recorded graph serves every sequence):
     // tokens [max_rows], positions [max_rows], slots [max_rows], key count [1], the sequence's

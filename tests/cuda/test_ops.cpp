@@ -513,7 +513,7 @@ public:
         }
         if (fault_ == "kv_write") static_cast<uint16_t *>(k_cache)[int64_t(slots[rows - 1]) * kv_width] ^= 0x80;
     }
-    void attention(const void *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+    void attention(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                    const PagedKeys &keys, void *out) override {
         int64_t blocks = 0;
@@ -524,8 +524,9 @@ public:
         PagedKeys fk = keys;
         fk.k_cache = kf.data();
         fk.v_cache = vf.data();
-        std::vector<float> qf = get(q, size_t(nq * n_heads * head_dim)), y(qf.size());
-        h_->attention(qf.data(), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask, fk,
+        std::vector<float> qf = get(q, size_t((nq - 1) * ldq + n_heads * head_dim)),
+                           y(size_t(nq * n_heads * head_dim));
+        h_->attention(qf.data(), ldq, nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask, fk,
                       y.data());
         put(out, y, "attention");
     }
@@ -1102,11 +1103,13 @@ PagedSetup make_paged(const AttnShape &s, Rng &rng) {
 
 void run_attention_case(Group &g, const AttnShape &s) {
     g.run(cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
-              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap" : ""),
+              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap, q/k/v rows" : ""),
           [&](Case &c) {
               const PagedSetup p = make_paged(s, c.rng);
               const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
-              const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * q_width));
+              // q rows at the target's fused q/k/v stride in the ring-wrap cases (k and v follow q)
+              const int64_t ldq = q_width + (s.wrap ? 2 * s.n_kv * s.head_dim : 0);
+              const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * ldq));
               const float scale = 1.f / std::sqrt(float(s.head_dim));
               const size_t out_count = size_t(s.nq * q_width);
               std::vector<float> outs[2];
@@ -1127,7 +1130,7 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   keys.ring_slots = int32_t(p.ring_slots);
                   keys.first_key = p.first_key;
                   keys.num_keys = s.num_keys;
-                  be.attention(qb.get(), s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
+                  be.attention(qb.get(), ldq, s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
                                p.mask, keys, out.get());
                   sync(be);
                   outs[b] = download_act(be, out.get(), out_count);

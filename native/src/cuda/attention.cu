@@ -47,9 +47,9 @@ __device__ __forceinline__ int64_t key_slot(const PagedKeys &keys, int64_t ring)
     return int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size + ring % keys.block_size;
 }
 
-// q: [nq, n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32; ml_part: [splits, nq, n_heads]
+// q: nq rows at stride ldq of [n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32; ml_part: [splits, nq, n_heads]
 __global__ void __launch_bounds__(kWarps * 32)
-attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restrict__ q_positions,
+attention_split_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32_t *__restrict__ q_positions,
                        int n_heads, int n_kv_heads, int hd, int rows_per_tile, float scale,
                        bool causal, int32_t window, PagedKeys keys, int64_t keys_per_split,
                        float *out_part, Split *ml_part) {
@@ -69,7 +69,7 @@ attention_split_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__rest
     for (int i = threadIdx.x; i < n_vec * hd; i += blockDim.x) {
         const int v = i / hd, d = i % hd;
         const int row = row0 + v / group, head = kv_head * group + v % group;
-        q_s[v * hd + d] = to_float(q[int64_t(row) * n_heads * hd + int64_t(head) * hd + d]) * scale;
+        q_s[v * hd + d] = to_float(q[int64_t(row) * ldq + int64_t(head) * hd + d]) * scale;
     }
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -179,7 +179,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 template <int HD>
 __global__ void __launch_bounds__(kTcWarps * 32)
-attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restrict__ q_positions,
+attention_tc_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32_t *__restrict__ q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                     PagedKeys keys, int64_t keys_per_split, float *out_part, Split *ml_part) {
     pdl_prologue();
@@ -215,7 +215,7 @@ attention_tc_kernel(const bf16 *__restrict__ q, int nq, const int32_t *__restric
             const int v = vec0 + g + 8 * h;
             uint32_t lo = 0, hi = 0;
             if (vec_ok[h]) {
-                const bf16 *row = q + int64_t(v / group) * n_heads * HD +
+                const bf16 *row = q + int64_t(v / group) * ldq +
                                   int64_t(kv_head * group + v % group) * HD + kk * 16 + 2 * qd;
                 lo = *reinterpret_cast<const uint32_t *>(row);
                 hi = *reinterpret_cast<const uint32_t *>(row + 8);
@@ -467,7 +467,7 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
-void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s) {
     if (nq == 0) return;
@@ -478,6 +478,9 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
         fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", n_heads / n_kv_heads,
              " query heads per kv head (supported: up to ", kMaxQueryVectors, ")");
     if (keys.num_keys < 1) fail(DFLASH_STATUS_INTERNAL, "cuda attention: no keys");
+    if (ldq < n_heads * head_dim || ldq % 2)
+        fail(DFLASH_STATUS_INTERNAL, "cuda attention: q row stride ", ldq, " (rows of ", n_heads * head_dim,
+             "; even)");
     const bool tc = use_tc(head_dim);
     const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, covered(keys));
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
@@ -489,11 +492,11 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         if (head_dim == 128)
             launch(attention_tc_kernel<128>, grid, kTcWarps * 32, 0, s,
-                q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
+                q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
                 mask.window, keys, p.keys_per_split, out_part, ml_part);
         else
             launch(attention_tc_kernel<64>, grid, kTcWarps * 32, 0, s,
-                q, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
+                q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
                 mask.window, keys, p.keys_per_split, out_part, ml_part);
     } else {
         const size_t smem = smem_bytes(head_dim);
@@ -506,7 +509,7 @@ void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_
         }
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         launch(attention_split_kernel, grid, kWarps * 32, smem, s,
-            q, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
+            q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
     }
     if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");

@@ -163,12 +163,12 @@ public:
         cuda::kv_write(as_bf16(k), as_bf16(v), rows, ld, slots, kv_width, as_bf16(k_cache),
                        as_bf16(v_cache), stream_);
     }
-    void attention(const void *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+    void attention(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                    const PagedKeys &keys, void *out) override {
         void *scratch = grow(attention_scratch_, cuda::attention_scratch_bytes(
                                                      nq, n_heads, head_dim, n_kv_heads, keys));
-        cuda::attention(as_bf16(q), nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
+        cuda::attention(as_bf16(q), ldq, nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
                         keys, scratch, as_bf16(out), stream_);
     }
     void add_rms_norm(void *x, const void *res, int64_t rows, int64_t dim, WeightView w, float eps,

@@ -67,7 +67,7 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
 // attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys);
-void attention(const bf16 *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s);
 

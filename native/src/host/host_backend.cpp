@@ -145,7 +145,7 @@ public:
         }
     }
 
-    void attention(const void *q, int64_t nq, const int32_t *q_positions, int64_t n_heads,
+    void attention(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                    const PagedKeys &keys, void *out) override {
         const int64_t kv_width = n_kv_heads * head_dim;
@@ -164,7 +164,7 @@ public:
         for (int64_t i = 0; i < nq; ++i) {
             const int32_t qp = q_positions[i];
             for (int64_t h = 0; h < n_heads; ++h) {
-                const float *qv = static_cast<const float *>(q) + (i * n_heads + h) * head_dim;
+                const float *qv = static_cast<const float *>(q) + i * ldq + h * head_dim;
                 const int64_t kvh = h / group;
                 float best = -std::numeric_limits<float>::infinity();
                 for (int64_t j = 0; j < keys.num_keys; ++j) {
