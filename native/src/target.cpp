@@ -248,19 +248,16 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     auto ops = [&] {
         backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
-        void *k = act(qkv_, q_width_), *v = act(qkv_, q_width_ + kv_width_);
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
         // Each layer's input norm is fused with the residual add that ends the layer before it.
         backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq);
-            backend_->head_norm_rope(qkv_.get(), n, nh, hd, ldq, qk_norm ? &layer.q_norm : nullptr, eps,
-                                     d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-            backend_->head_norm_rope(k, n, nkv, hd, ldq, qk_norm ? &layer.k_norm : nullptr, eps,
-                                     d_pos, inv_freq_.as<float>(), rope_.attention_factor);
-            backend_->kv_write(k, v, n, ldq, d_slots, kv_width_, k_cache_[size_t(l)].get(),
-                               v_cache_[size_t(l)].get());
+            backend_->qkv_norm_rope_write(qkv_.get(), n, nh, nkv, hd, ldq, qk_norm ? &layer.q_norm : nullptr,
+                                          qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
+                                          rope_.attention_factor, d_slots, k_cache_[size_t(l)].get(),
+                                          v_cache_[size_t(l)].get());
             keys.k_cache = k_cache_[size_t(l)].get();
             keys.v_cache = v_cache_[size_t(l)].get();
             backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),

@@ -1028,6 +1028,78 @@ void test_kv_write() {
               });
 }
 
+// The target's fused q/k/v step: norm + rope of q and k heads in place, k and v into the caches.
+// The host side is Backend's default (head_norm_rope twice, then kv_write).
+void test_qkv_norm_rope_write() {
+    Group g("qkv_norm_rope_write");
+    if (!g.enabled()) return;
+    struct Shape { int64_t rows, heads, kv_heads, head_dim; bool norm; int64_t num_blocks; };
+    std::vector<Shape> shapes = {{1, 32, 8, 128, true, 2}, {16, 32, 8, 128, true, 4}, {17, 4, 1, 64, false, 3},
+                                 {7, 8, 2, 256, true, 2},  {3, 3, 1, 20, true, 1}};
+    if (g_opt.level == SMOKE) shapes = {{16, 32, 8, 128, true, 4}};
+    const int64_t bs = DFLASH_KV_BLOCK_SIZE;
+    for (const Shape &s : shapes)
+        g.run(cat("rows=", s.rows, " heads=", s.heads, "/", s.kv_heads, " head_dim=", s.head_dim,
+                  s.norm ? "" : " no norm"),
+              [&](Case &c) {
+                  const int64_t kv_width = s.kv_heads * s.head_dim, ld = s.heads * s.head_dim + 2 * kv_width;
+                  const int64_t half = s.head_dim / 2, slots_total = s.num_blocks * bs;
+                  const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
+                  std::vector<float> wq(size_t(s.head_dim)), wk(size_t(s.head_dim));
+                  for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
+                  for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
+                  std::vector<int32_t> pos(size_t(s.rows));
+                  for (auto &p : pos) p = int32_t(c.rng.index(40000));
+                  std::vector<float> inv_freq(static_cast<size_t>(half));
+                  for (int64_t i = 0; i < half; ++i)
+                      inv_freq[size_t(i)] = 1.f / std::pow(1e6f, float(2 * i) / float(s.head_dim));
+                  std::vector<int32_t> all_slots(static_cast<size_t>(slots_total));
+                  std::iota(all_slots.begin(), all_slots.end(), 0);
+                  std::shuffle(all_slots.begin(), all_slots.end(), c.rng.gen);
+                  const std::vector<int32_t> slots(all_slots.begin(), all_slots.begin() + s.rows);
+                  const size_t cache = size_t(slots_total * kv_width);
+                  std::vector<float> x_out[2];
+                  std::vector<std::vector<uint8_t>> caches[2];
+                  for (int b = 0; b < 2; ++b) {
+                      Backend &be = b ? *C : *H;
+                      Weight w_q = upload_weight(be, wq, 1, s.head_dim), w_k = upload_weight(be, wk, 1, s.head_dim);
+                      DeviceBuffer x = upload_act(be, qkv), p = upload_vec(be, pos), f = upload_vec(be, inv_freq);
+                      DeviceBuffer sl = upload_vec(be, slots);
+                      DeviceBuffer kc = poisoned(be, cache * act_size(be)), vc = poisoned(be, cache * act_size(be));
+                      be.qkv_norm_rope_write(x.get(), s.rows, s.heads, s.kv_heads, s.head_dim, ld,
+                                             s.norm ? &w_q.view : nullptr, s.norm ? &w_k.view : nullptr, 1e-6f,
+                                             p.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>(), kc.get(),
+                                             vc.get());
+                      sync(be);
+                      x_out[b] = download_act(be, x.get(), size_t(s.rows * ld));
+                      for (const DeviceBuffer *cb : {&kc, &vc})
+                          caches[b].push_back(download_bytes(be, cb->get(), cache * act_size(be)));
+                  }
+                  c.close("qkv", x_out[1], x_out[0], kTolBf16);
+                  std::vector<bool> written(size_t(slots_total), false);
+                  for (int32_t sl : slots) written[size_t(sl)] = true;
+                  for (int which = 0; which < 2; ++which) {
+                      const std::vector<float> all_h = decode(H->act_dtype(), caches[0][size_t(which)]);
+                      const std::vector<float> all_c = decode(C->act_dtype(), caches[1][size_t(which)]);
+                      std::vector<float> got, ref;
+                      int64_t stray = 0;
+                      for (int64_t sl = 0; sl < slots_total; ++sl)
+                          for (int64_t e = 0; e < kv_width; ++e) {
+                              const size_t i = size_t(sl * kv_width + e);
+                              if (written[size_t(sl)]) {
+                                  got.push_back(all_c[i]);
+                                  ref.push_back(all_h[i]);
+                              } else if (!still_poisoned(caches[1][size_t(which)], act_size(*C), i)) {
+                                  ++stray;
+                              }
+                          }
+                      c.close(which ? "v_cache" : "k_cache", got, ref, kTolBf16);
+                      c.check(stray == 0, cat(which ? "v_cache: " : "k_cache: ", stray,
+                                              " element(s) of unlisted slots written"));
+                  }
+              });
+}
+
 // ----------------------------------------------------------------------------------------------
 // attention
 // ----------------------------------------------------------------------------------------------
@@ -1716,6 +1788,7 @@ int main(int argc, char **argv) {
     test_gemm();
     test_rope();
     test_kv_write();
+    test_qkv_norm_rope_write();
     test_attention();
     test_add();
     test_swiglu();

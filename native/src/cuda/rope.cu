@@ -39,16 +39,12 @@ __global__ void rope_kernel(bf16 *x, int heads, int head_dim, int64_t ld, const 
 constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 constexpr int kWarpsPerBlock = 4;
 
-__global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
-                                      const bf16 *w, float eps, const int32_t *positions,
-                                      const float *inv_freq, float attention_factor) {
-    pdl_prologue();
-    const int lane = threadIdx.x & 31;
-    const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-    if (item >= rows * heads) return;
-    const int64_t row = item / heads;
-    const int h = int(item % heads), half = head_dim / 2;
-    bf16 *v = x + row * ld + int64_t(h) * head_dim;
+// One head of head_dim at v (this warp): the norm with w (skipped when null), then the rotation,
+// in place; the result also goes to `copy` when it is not null (a k head into its cache slot).
+__device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16 *w, float eps, float pos,
+                                               const float *inv_freq, float attention_factor, bf16 *copy,
+                                               int lane) {
+    const int half = head_dim / 2;
     float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
     float ss = 0.f;
 #pragma unroll
@@ -69,7 +65,6 @@ __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head
             }
         }
     }
-    const float pos = float(positions[row]);
 #pragma unroll
     for (int i = 0; i < kMaxPairsPerLane; ++i) {
         const int j = lane + 32 * i;
@@ -78,9 +73,54 @@ __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head
         sincosf(pos * inv_freq[j], &sn, &cs);
         cs *= attention_factor;
         sn *= attention_factor;
-        v[j] = to_bf16(a[i] * cs - b[i] * sn);
-        v[j + half] = to_bf16(b[i] * cs + a[i] * sn);
+        const bf16 lo = to_bf16(a[i] * cs - b[i] * sn), hi = to_bf16(b[i] * cs + a[i] * sn);
+        v[j] = lo;
+        v[j + half] = hi;
+        if (copy) {
+            copy[j] = lo;
+            copy[j + half] = hi;
+        }
     }
+}
+
+__global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
+                                      const bf16 *w, float eps, const int32_t *positions,
+                                      const float *inv_freq, float attention_factor) {
+    pdl_prologue();
+    const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+    if (item >= rows * heads) return;
+    const int64_t row = item / heads;
+    norm_rope_head(x + row * ld + (item % heads) * head_dim, head_dim, w, eps, float(positions[row]), inv_freq,
+                   attention_factor, nullptr, threadIdx.x & 31);
+}
+
+// One warp per (row, head) of a fused q/k/v row: q heads normed and rotated in place, k heads
+// likewise and copied to their cache slot, v heads copied to theirs.
+__global__ void qkv_norm_rope_write_kernel(bf16 *qkv, int64_t rows, int heads, int kv_heads, int head_dim,
+                                           int64_t ld, const bf16 *q_norm, const bf16 *k_norm, float eps,
+                                           const int32_t *positions, const float *inv_freq,
+                                           float attention_factor, const int32_t *slots, bf16 *k_cache,
+                                           bf16 *v_cache) {
+    pdl_prologue();
+    const int lane = threadIdx.x & 31, per_row = heads + 2 * kv_heads;
+    const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+    if (item >= rows * per_row) return;
+    const int64_t row = item / per_row;
+    const int h = int(item % per_row);
+    bf16 *src = qkv + row * ld + int64_t(h) * head_dim;
+    const float pos = float(positions[row]);
+    if (h < heads) {
+        norm_rope_head(src, head_dim, q_norm, eps, pos, inv_freq, attention_factor, nullptr, lane);
+        return;
+    }
+    const int64_t kv_width = int64_t(kv_heads) * head_dim, slot = slots[row];
+    if (h < heads + kv_heads) {
+        norm_rope_head(src, head_dim, k_norm, eps, pos, inv_freq, attention_factor,
+                       k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
+        return;
+    }
+    bf16 *dst = v_cache + slot * kv_width + int64_t(h - heads - kv_heads) * head_dim;
+    for (int j = lane; j < head_dim; j += 32) dst[j] = src[j];
 }
 
 }  // namespace
@@ -98,6 +138,21 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
     launch(head_norm_rope_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
            kWarpsPerBlock * 32, 0, s, x, rows, int(heads), int(head_dim), ld, w, eps, positions,
            inv_freq, attention_factor);
+}
+
+bool qkv_norm_rope_write_fused(int64_t head_dim) { return head_dim % 2 == 0 && head_dim <= 64 * kMaxPairsPerLane; }
+
+void qkv_norm_rope_write(bf16 *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ld,
+                         const bf16 *q_norm, const bf16 *k_norm, float eps, const int32_t *positions,
+                         const float *inv_freq, float attention_factor, const int32_t *slots, bf16 *k_cache,
+                         bf16 *v_cache, cudaStream_t s) {
+    const int64_t items = rows * (heads + 2 * kv_heads);
+    if (items == 0) return;
+    if (!qkv_norm_rope_write_fused(head_dim) || heads + 2 * kv_heads > INT32_MAX)
+        fail(DFLASH_STATUS_INTERNAL, "qkv_norm_rope_write: head_dim ", head_dim, " is not fused");
+    launch(qkv_norm_rope_write_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
+           kWarpsPerBlock * 32, 0, s, qkv, rows, int(heads), int(kv_heads), int(head_dim), ld, q_norm, k_norm,
+           eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
 }
 
 void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
