@@ -176,20 +176,22 @@ public:
         if (w) rms_norm(x, rows, heads, head_dim, ld, *w, eps, x, ld);
         rope(x, rows, heads, head_dim, ld, positions, inv_freq, attention_factor);
     }
-    // A fused q/k/v row block qkv[rows] (stride ld) of [heads | kv_heads | kv_heads] x head_dim:
-    // head_norm_rope on the q heads (q_norm) and on the k heads (k_norm), then kv_write of the k
-    // and v heads to slots[rows]. One pass where the backend fuses it, with the same roundings.
-    virtual void qkv_norm_rope_write(void *qkv, int64_t rows, int64_t heads, int64_t kv_heads,
-                                     int64_t head_dim, int64_t ld, const WeightView *q_norm,
+    // The attention inputs of `rows` tokens: q[rows] (row stride ldq) of heads x head_dim and
+    // kv[rows] (row stride ldkv) of [k | v], kv_heads x head_dim each. head_norm_rope on the q
+    // heads (q_norm) and the k heads (k_norm), then kv_write of k and v to slots[rows]. heads may
+    // be 0 (q unused: the drafter's context rows). One pass where the backend fuses it, with the
+    // same roundings. The target passes one fused q/k/v row (kv = q + heads * head_dim).
+    virtual void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
+                                     int64_t kv_heads, int64_t head_dim, const WeightView *q_norm,
                                      const WeightView *k_norm, float eps, const int32_t *positions,
                                      const float *inv_freq, float attention_factor,
                                      const int32_t *slots, void *k_cache, void *v_cache) {
-        const size_t e = act_dtype() == DFLASH_DTYPE_F32 ? 4 : 2;
-        char *k = static_cast<char *>(qkv) + size_t(heads * head_dim) * e;
-        char *v = k + size_t(kv_heads * head_dim) * e;
-        head_norm_rope(qkv, rows, heads, head_dim, ld, q_norm, eps, positions, inv_freq, attention_factor);
-        head_norm_rope(k, rows, kv_heads, head_dim, ld, k_norm, eps, positions, inv_freq, attention_factor);
-        kv_write(k, v, rows, ld, slots, kv_heads * head_dim, k_cache, v_cache);
+        const int64_t kv_width = kv_heads * head_dim;
+        void *v = static_cast<char *>(kv) + size_t(kv_width) * dtype_size(act_dtype());
+        if (heads > 0)
+            head_norm_rope(q, rows, heads, head_dim, ldq, q_norm, eps, positions, inv_freq, attention_factor);
+        head_norm_rope(kv, rows, kv_heads, head_dim, ldkv, k_norm, eps, positions, inv_freq, attention_factor);
+        kv_write(kv, v, rows, ldkv, slots, kv_width, k_cache, v_cache);
     }
     // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
     virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;

@@ -299,11 +299,9 @@ void Drafter::project_pending(DrafterSeq &seq) {
     backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_);
     for (int l = 0; l < p_.num_layers; ++l) {
         void *k = act(ctx_kv_, int64_t(l) * 2 * kv_width_);
-        void *v = act(ctx_kv_, int64_t(l) * 2 * kv_width_ + kv_width_);
-        backend_->head_norm_rope(k, P, nkv, hd, fused_kv_width_, &layers_[l].k_norm, p_.rms_norm_eps,
-                                 ctx_pos, inv_freq_.as<float>(), rope_.attention_factor);
-        backend_->kv_write(k, v, P, fused_kv_width_, ctx_slots, kv_width_, k_cache_[l].get(),
-                           v_cache_[l].get());
+        backend_->qkv_norm_rope_write(nullptr, 0, k, fused_kv_width_, P, 0, nkv, hd, nullptr, &layers_[l].k_norm,
+                                      p_.rms_norm_eps, ctx_pos, inv_freq_.as<float>(), rope_.attention_factor,
+                                      ctx_slots, k_cache_[l].get(), v_cache_[l].get());
     }
     seq.cached += P;
     seq.pending_positions.clear();
@@ -426,14 +424,11 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     for (int l = 0; l < p_.num_layers; ++l) {
         const Layer &layer = layers_[l];
         backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
-        backend_->head_norm_rope(q_.get(), width, nh, hd, q_width_, &layer.q_norm, eps, d_q_pos,
-                                 inv_freq_.as<float>(), rope_.attention_factor);
         // The block's own K/V go through the same (fused) k_proj/v_proj rows as the context.
         backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv_.get(), kv2);
-        backend_->head_norm_rope(kv_.get(), width, nkv, hd, kv2, &layer.k_norm, eps, d_q_pos,
-                                 inv_freq_.as<float>(), rope_.attention_factor);
-        backend_->kv_write(kv_.get(), act(kv_, kv_width_), width, kv2, d_slots, kv_width_,
-                           k_cache_[l].get(), v_cache_[l].get());
+        backend_->qkv_norm_rope_write(q_.get(), q_width_, kv_.get(), kv2, width, nh, nkv, hd, &layer.q_norm,
+                                      &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
+                                      d_slots, k_cache_[l].get(), v_cache_[l].get());
         keys.k_cache = k_cache_[l].get();
         keys.v_cache = v_cache_[l].get();
         AttentionMask mask{layer.causal, layer.window};

@@ -254,7 +254,8 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq);
-            backend_->qkv_norm_rope_write(qkv_.get(), n, nh, nkv, hd, ldq, qk_norm ? &layer.q_norm : nullptr,
+            backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
+                                          qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
                                           rope_.attention_factor, d_slots, k_cache_[size_t(l)].get(),
                                           v_cache_[size_t(l)].get());

@@ -1028,21 +1028,25 @@ void test_kv_write() {
               });
 }
 
-// The target's fused q/k/v step: norm + rope of q and k heads in place, k and v into the caches.
-// The host side is Backend's default (head_norm_rope twice, then kv_write).
+// The attention inputs' step: norm + rope of q and k heads in place, k and v into the caches, on
+// the target's fused q/k/v rows (heads > 0) and the drafter's context K/V rows (heads = 0: kv
+// only, inside a wider row). The host side is Backend's default (head_norm_rope twice, kv_write).
 void test_qkv_norm_rope_write() {
     Group g("qkv_norm_rope_write");
     if (!g.enabled()) return;
     struct Shape { int64_t rows, heads, kv_heads, head_dim; bool norm; int64_t num_blocks; };
     std::vector<Shape> shapes = {{1, 32, 8, 128, true, 2}, {16, 32, 8, 128, true, 4}, {17, 4, 1, 64, false, 3},
-                                 {7, 8, 2, 256, true, 2},  {3, 3, 1, 20, true, 1}};
+                                 {7, 8, 2, 256, true, 2},  {3, 3, 1, 20, true, 1},   {23, 0, 8, 128, true, 3}};
     if (g_opt.level == SMOKE) shapes = {{16, 32, 8, 128, true, 4}};
     const int64_t bs = DFLASH_KV_BLOCK_SIZE;
     for (const Shape &s : shapes)
         g.run(cat("rows=", s.rows, " heads=", s.heads, "/", s.kv_heads, " head_dim=", s.head_dim,
                   s.norm ? "" : " no norm"),
               [&](Case &c) {
-                  const int64_t kv_width = s.kv_heads * s.head_dim, ld = s.heads * s.head_dim + 2 * kv_width;
+                  // heads = 0: the kv rows sit inside a wider row, as in the drafter's fused context K/V
+                  const int64_t kv_width = s.kv_heads * s.head_dim;
+                  const int64_t q_width = s.heads ? s.heads * s.head_dim : 3 * kv_width;
+                  const int64_t ld = q_width + 2 * kv_width;
                   const int64_t half = s.head_dim / 2, slots_total = s.num_blocks * bs;
                   const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
                   std::vector<float> wq(size_t(s.head_dim)), wk(size_t(s.head_dim));
@@ -1066,8 +1070,10 @@ void test_qkv_norm_rope_write() {
                       DeviceBuffer x = upload_act(be, qkv), p = upload_vec(be, pos), f = upload_vec(be, inv_freq);
                       DeviceBuffer sl = upload_vec(be, slots);
                       DeviceBuffer kc = poisoned(be, cache * act_size(be)), vc = poisoned(be, cache * act_size(be));
-                      be.qkv_norm_rope_write(x.get(), s.rows, s.heads, s.kv_heads, s.head_dim, ld,
-                                             s.norm ? &w_q.view : nullptr, s.norm ? &w_k.view : nullptr, 1e-6f,
+                      void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
+                      be.qkv_norm_rope_write(s.heads ? x.get() : nullptr, ld, kv, ld, s.rows, s.heads, s.kv_heads,
+                                             s.head_dim, s.norm ? &w_q.view : nullptr, s.norm ? &w_k.view : nullptr,
+                                             1e-6f,
                                              p.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>(), kc.get(),
                                              vc.get());
                       sync(be);

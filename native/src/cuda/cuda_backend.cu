@@ -176,16 +176,16 @@ public:
         cuda::add_rms_norm(as_bf16(x), as_bf16(res), rows, dim, weight_data(w, "add_rms_norm"), eps,
                            as_bf16(y), stream_);
     }
-    void qkv_norm_rope_write(void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t ld, const WeightView *q_norm, const WeightView *k_norm, float eps,
-                             const int32_t *positions, const float *inv_freq, float attention_factor,
+    void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, const WeightView *q_norm, const WeightView *k_norm,
+                             float eps, const int32_t *positions, const float *inv_freq, float attention_factor,
                              const int32_t *slots, void *k_cache, void *v_cache) override {
         if (!cuda::qkv_norm_rope_write_fused(head_dim)) {
-            Backend::qkv_norm_rope_write(qkv, rows, heads, kv_heads, head_dim, ld, q_norm, k_norm, eps, positions,
-                                         inv_freq, attention_factor, slots, k_cache, v_cache);
+            Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm, eps,
+                                         positions, inv_freq, attention_factor, slots, k_cache, v_cache);
             return;
         }
-        cuda::qkv_norm_rope_write(as_bf16(qkv), rows, heads, kv_heads, head_dim, ld,
+        cuda::qkv_norm_rope_write(as_bf16(q), ldq, as_bf16(kv), ldkv, rows, heads, kv_heads, head_dim,
                                   q_norm ? weight_data(*q_norm, "qkv_norm_rope_write") : nullptr,
                                   k_norm ? weight_data(*k_norm, "qkv_norm_rope_write") : nullptr, eps, positions,
                                   inv_freq, attention_factor, slots, as_bf16(k_cache), as_bf16(v_cache), stream_);

@@ -94,10 +94,11 @@ __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head
                    attention_factor, nullptr, threadIdx.x & 31);
 }
 
-// One warp per (row, head) of a fused q/k/v row: q heads normed and rotated in place, k heads
-// likewise and copied to their cache slot, v heads copied to theirs.
-__global__ void qkv_norm_rope_write_kernel(bf16 *qkv, int64_t rows, int heads, int kv_heads, int head_dim,
-                                           int64_t ld, const bf16 *q_norm, const bf16 *k_norm, float eps,
+// One warp per (row, head), heads of a row counted q, then k, then v: q heads normed and rotated
+// in place, k heads likewise and copied to their cache slot, v heads copied to theirs.
+__global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int heads,
+                                           int kv_heads, int head_dim, const bf16 *q_norm, const bf16 *k_norm,
+                                           float eps,
                                            const int32_t *positions, const float *inv_freq,
                                            float attention_factor, const int32_t *slots, bf16 *k_cache,
                                            bf16 *v_cache) {
@@ -107,12 +108,13 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *qkv, int64_t rows, int heads, i
     if (item >= rows * per_row) return;
     const int64_t row = item / per_row;
     const int h = int(item % per_row);
-    bf16 *src = qkv + row * ld + int64_t(h) * head_dim;
     const float pos = float(positions[row]);
     if (h < heads) {
-        norm_rope_head(src, head_dim, q_norm, eps, pos, inv_freq, attention_factor, nullptr, lane);
+        norm_rope_head(q + row * ldq + int64_t(h) * head_dim, head_dim, q_norm, eps, pos, inv_freq,
+                       attention_factor, nullptr, lane);
         return;
     }
+    bf16 *src = kv + row * ldkv + int64_t(h - heads) * head_dim;  // k heads, then v heads
     const int64_t kv_width = int64_t(kv_heads) * head_dim, slot = slots[row];
     if (h < heads + kv_heads) {
         norm_rope_head(src, head_dim, k_norm, eps, pos, inv_freq, attention_factor,
@@ -142,8 +144,8 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
 
 bool qkv_norm_rope_write_fused(int64_t head_dim) { return head_dim % 2 == 0 && head_dim <= 64 * kMaxPairsPerLane; }
 
-void qkv_norm_rope_write(bf16 *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ld,
-                         const bf16 *q_norm, const bf16 *k_norm, float eps, const int32_t *positions,
+void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps, const int32_t *positions,
                          const float *inv_freq, float attention_factor, const int32_t *slots, bf16 *k_cache,
                          bf16 *v_cache, cudaStream_t s) {
     const int64_t items = rows * (heads + 2 * kv_heads);
@@ -151,8 +153,8 @@ void qkv_norm_rope_write(bf16 *qkv, int64_t rows, int64_t heads, int64_t kv_head
     if (!qkv_norm_rope_write_fused(head_dim) || heads + 2 * kv_heads > INT32_MAX)
         fail(DFLASH_STATUS_INTERNAL, "qkv_norm_rope_write: head_dim ", head_dim, " is not fused");
     launch(qkv_norm_rope_write_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
-           kWarpsPerBlock * 32, 0, s, qkv, rows, int(heads), int(kv_heads), int(head_dim), ld, q_norm, k_norm,
-           eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
+           kWarpsPerBlock * 32, 0, s, q, ldq, kv, ldkv, rows, int(heads), int(kv_heads), int(head_dim), q_norm,
+           k_norm, eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
 }
 
 void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
