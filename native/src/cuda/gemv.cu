@@ -335,11 +335,17 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         else
             load16(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
-    uint32_t x0[8], x1[8];
-    if (n_chunks > 0) {
-        load_x(0, wt.c_begin * kChunk, x0);
-        load_x(1, wt.c_begin * kChunk, x1);
-    }
+    // x in registers, kXAhead chunks ahead of the mma: x comes from L1/L2 (at M = 16 as many bytes
+    // as the weights), and one chunk ahead leaves that latency in every step; the tiled kernel's
+    // register budget (2 blocks per SM) holds a second chunk, the row-major one's (3) does not.
+    constexpr int kXAhead = TILED ? 2 : 1;
+    uint32_t xs[kXAhead][2][8] = {};  // xs[a]: rows g and g + 8 of chunk i + a
+#pragma unroll
+    for (int a = 0; a < kXAhead; ++a)
+        if (a < n_chunks) {
+            load_x(0, (wt.c_begin + a) * kChunk, xs[a][0]);
+            load_x(1, (wt.c_begin + a) * kChunk, xs[a][1]);
+        }
     float acc[kNt][4] = {};
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
@@ -357,15 +363,19 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
             wb[t][0] = v0.x, wb[t][1] = v0.y, wb[t][2] = v0.z, wb[t][3] = v0.w;
             wb[t][4] = v1.x, wb[t][5] = v1.y, wb[t][6] = v1.z, wb[t][7] = v1.w;
         }
-        uint32_t n0[8] = {}, n1[8] = {};  // x of the next chunk, loaded before this one's mma
-        if (i + 1 < n_chunks) {
-            const int64_t c0 = (wt.c_begin + i + 1) * kChunk;
-            load_x(0, c0, n0);
-            load_x(1, c0, n1);
+        uint32_t nx[2][8] = {};  // x of chunk i + kXAhead, loaded before this one's mma
+        if (i + kXAhead < n_chunks) {
+            const int64_t c0 = (wt.c_begin + i + kXAhead) * kChunk;
+            load_x(0, c0, nx[0]);
+            load_x(1, c0, nx[1]);
         }
-        mma_chunk(acc, x0, x1, wb);
+        mma_chunk(acc, xs[0][0], xs[0][1], wb);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) x0[j] = n0[j], x1[j] = n1[j];
+        for (int a = 0; a < kXAhead; ++a)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) xs[a][r][j] = a + 1 < kXAhead ? xs[a + 1][r][j] : nx[r][j];
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
