@@ -195,6 +195,14 @@ public:
     }
     // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
     virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;
+    // out[m, inter] = swiglu(x . gate_up^T) with the fused [gate; up] weight ([2 * inter, k]):
+    // gemm into gate_up_scratch ([m, 2 * inter]), then swiglu; a backend may fuse the two (same
+    // roundings), and then leaves the scratch unused.
+    virtual void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
+                             void *gate_up_scratch, void *out) {
+        gemm(x, m, ldx, gate_up, gate_up_scratch, 2 * inter);
+        swiglu(gate_up_scratch, m, inter, out);
+    }
     // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.
     virtual void logits_argmax(const void *h, int64_t m, WeightView lm_head, float multiplier,
                                float softcap, int32_t *tokens) = 0;

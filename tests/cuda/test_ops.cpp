@@ -916,6 +916,45 @@ void test_gemm() {
     }
 }
 
+// The fused GEMM + SwiGLU (the MLP's gate_up and its activation) against the host's gemm then swiglu.
+// inter a multiple of 16 and of the block's gate columns runs fused on cuda, 40 falls back to the pair.
+void test_gemm_swiglu() {
+    Group g("gemm_swiglu");
+    if (!g.enabled()) return;
+    std::vector<int64_t> ms = {1, 7, 16, 17, 33};
+    struct IK { int64_t inter, k; };
+    std::vector<IK> iks = {{64, 64}, {608, 136}, {1024, 512}, {3072, 1024}, {40, 64}};
+    if (g_opt.level == QUICK) ms = {1, 16, 17};
+    if (g_opt.level == SMOKE) {
+        ms = {1, 16};
+        iks = {{608, 136}, {40, 64}};
+    }
+    int idx = 0;
+    for (int64_t m : ms)
+        for (const IK &ik : iks)
+            for (bool tiled : {false, true}) {
+                const int64_t pad_x = (idx++ % 3 == 1) ? 8 : 0;
+                g.run(cat("M=", m, " inter=", ik.inter, " K=", ik.k, pad_x ? " ldx=+8" : "", tiled ? " tiled" : ""),
+                      [&](Case &c) {
+                          const int64_t ldx = ik.k + pad_x, n = 2 * ik.inter;
+                          const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
+                          const std::vector<float> w = c.rng.bf16_normal(size_t(n * ik.k), 1.f / std::sqrt(float(ik.k)));
+                          Weight w_h = upload_weight(*H, w, n, ik.k), w_c = upload_weight(*C, w, n, ik.k);
+                          if (tiled) w_c = tiled_weight(*C, w_c);
+                          DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                          DeviceBuffer s_h = poisoned(*H, size_t(m * n) * act_size(*H));
+                          DeviceBuffer s_c = poisoned(*C, size_t(m * n) * act_size(*C));
+                          const size_t total = size_t(m * ik.inter);
+                          DeviceBuffer y_h = poisoned(*H, total * act_size(*H)), y_c = poisoned(*C, total * act_size(*C));
+                          H->gemm_swiglu(x_h.get(), m, ldx, w_h.view, ik.inter, s_h.get(), y_h.get());
+                          C->gemm_swiglu(x_c.get(), m, ldx, w_c.view, ik.inter, s_c.get(), y_c.get());
+                          sync(*C);
+                          c.close("out", download_act(*C, y_c.get(), total), download_act(*H, y_h.get(), total),
+                                  kTolBf16);
+                      });
+            }
+}
+
 // ----------------------------------------------------------------------------------------------
 // rope
 // ----------------------------------------------------------------------------------------------
@@ -1792,6 +1831,7 @@ int main(int argc, char **argv) {
     test_add_rms_norm();
     test_head_norm_rope();
     test_gemm();
+    test_gemm_swiglu();
     test_rope();
     test_kv_write();
     test_qkv_norm_rope_write();

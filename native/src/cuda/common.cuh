@@ -52,6 +52,8 @@ __device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); 
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ bf16 to_bf16(float v) { return __float2bfloat16_rn(v); }
+// silu(g) * u, as the swiglu kernel and the GEMM's fused SwiGLU epilogue both compute it.
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 // 8 bf16 packed in 16 bytes (one vector load) -> 8 floats.
 __device__ __forceinline__ void unpack8(const uint4 &v, float out[8]) {

@@ -176,6 +176,14 @@ public:
         cuda::add_rms_norm(as_bf16(x), as_bf16(res), rows, dim, weight_data(w, "add_rms_norm"), eps,
                            as_bf16(y), stream_);
     }
+    void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
+                     void *gate_up_scratch, void *out) override {
+        if (gate_up.rows != 2 * inter)
+            fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ", inter);
+        if (!cuda::gemm_swiglu(as_bf16(x), m, ldx, weight_data(gate_up, "gemm_swiglu", true), gate_up.tiled, inter,
+                               gate_up.cols, as_bf16(out), inter, stream_))
+            Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out);
+    }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, const WeightView *q_norm, const WeightView *k_norm,
                              float eps, const int32_t *positions, const float *inv_freq, float attention_factor,

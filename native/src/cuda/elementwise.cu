@@ -44,7 +44,7 @@ __global__ void swiglu_kernel(const bf16 *gate_up, int64_t rows, int64_t inter, 
         const int64_t r = i / inter, c = i % inter;
         const float g = to_float(gate_up[r * 2 * inter + c]);
         const float u = to_float(gate_up[r * 2 * inter + inter + c]);
-        out[i] = to_bf16(g / (1.f + expf(-g)) * u);
+        out[i] = to_bf16(swiglu_value(g, u));
     }
 }
 

@@ -41,7 +41,10 @@ constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-sli
 constexpr int kTileM = 16;    // rows per mma tile
 constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
 
-enum class Epilogue { Store, Logits, Argmax };
+// SwiGLU (ring-fed kernel only): w is the fused [gate; up] weight (N = 2 * pair); half of a block's
+// column groups take gate columns, the other half the same up columns (pair later), and the block
+// stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
+enum class Epilogue { Store, Logits, Argmax, SwiGLU };
 
 struct ArgmaxPartial {
     float value;
@@ -172,7 +175,7 @@ template <int KS, Epilogue E>
 __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
                                             float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
                                             float multiplier, float softcap, float *logits_out,
-                                            ArgmaxPartial *partial) {
+                                            ArgmaxPartial *partial, int64_t pair = 0) {
     constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
     auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
@@ -197,8 +200,21 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
             if (m < M && n < N) y[m * ldy + n] = to_bf16(v);
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
+        } else if constexpr (E == Epilogue::SwiGLU) {
+            at(0, r, cc) = v;
         } else {
             at(0, r, cc) = finish_logit(v, multiplier, softcap);
+        }
+    }
+    if constexpr (E == Epilogue::SwiGLU) {
+        __syncthreads();
+        constexpr int kHalf = kBlockCols / 2;  // gate columns cc, their up columns cc + kHalf
+        for (int i = threadIdx.x; i < kTileM * kHalf; i += kWarps * 32) {
+            const int r = i / kHalf, cc = i % kHalf;
+            const int64_t m = wt.m0 + r, n = int64_t(blockIdx.x) * kHalf + cc;
+            if (m < M && n < pair)
+                y[m * ldy + n] = to_bf16(swiglu_value(to_float(to_bf16(at(0, r, cc))),
+                                                      to_float(to_bf16(at(0, r, cc + kHalf)))));
         }
     }
     if constexpr (E == Epilogue::Argmax) {
@@ -277,13 +293,20 @@ template <int KS, Epilogue E, bool TILED, XLoad XL>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
-                   float *logits_out, ArgmaxPartial *partial) {
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair) {
     pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     constexpr int S = ring_stages<TILED>();
     extern __shared__ __align__(16) unsigned char smem[];
-    const WarpTile<KS> wt(K);
+    WarpTile<KS> wt(K);
+    if constexpr (E == Epilogue::SwiGLU) {  // groups [0, half): gate columns; [half, 2 half): up columns
+        constexpr int kHalf = WarpTile<KS>::kGroups / 2;
+        static_assert(kHalf >= 1, "SwiGLU needs two column groups per block (ks <= 4)");
+        const int64_t base = int64_t(blockIdx.x) * kHalf * WarpTile<KS>::kCols;
+        wt.col0 = wt.group < kHalf ? base + wt.group * WarpTile<KS>::kCols
+                                   : pair + base + (wt.group - kHalf) * WarpTile<KS>::kCols;
+    }
     unsigned char *ring = smem + size_t(wt.warp) * S * kStageBytes;
     const int n_chunks = int(max(int64_t(0), wt.c_end - wt.c_begin));
     // TILED: this warp's first tile (band col0 / 16, chunk c_begin); its chunks follow it.
@@ -380,7 +403,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
     finish_tile<KS, E>(wt, acc, reinterpret_cast<float *>(smem), M, N, y, ldy, multiplier, softcap,
-                       logits_out, partial);
+                       logits_out, partial, pair);
 }
 
 // partial: [M, blocks]; one block per row; ties keep the lowest index (torch.argmax).
@@ -433,6 +456,7 @@ void allow_stream_smem_all() {
     allow_stream_smem<KS, Epilogue::Store>();
     allow_stream_smem<KS, Epilogue::Logits>();
     allow_stream_smem<KS, Epilogue::Argmax>();
+    if constexpr (KS < 8) allow_stream_smem<KS, Epilogue::SwiGLU>();
 }
 
 const DeviceFacts &device_facts() {
@@ -499,23 +523,50 @@ Tiling tiling(int64_t N, int64_t K, bool tiled) {
     return best;
 }
 
+// The fused GEMM + SwiGLU's tiling: ks <= 4 (a block needs a gate and an up column group) and
+// pair (the intermediate size) a multiple of the block's gate columns; 0 where none fits. Scored
+// as tiling() scores, over pair / (block_cols / 2) blocks. A function of pair, K and the layout.
+int swiglu_ks(int64_t pair, int64_t K, bool tiled) {
+    const DeviceFacts &f = device_facts();
+    const double slots = double(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
+    const int64_t chunks = (K + kChunk - 1) / kChunk;
+    int best = 0;
+    double best_score = -1.0;
+    for (int ks : {1, 2, 4}) {
+        if (ks > 1 && chunks < 2 * ks) break;
+        const int64_t half_cols = Tiling{ks}.block_cols() / 2;
+        if (pair % half_cols) continue;
+        const double b = double(pair / half_cols);
+        const double score = b <= slots ? b / slots : b / (std::ceil(b / slots) * slots);
+        if (score > best_score + 0.02) best = ks, best_score = score;
+    }
+    return best;
+}
+
 // w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
 // vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
 // tiled weights have a tiling of their own (tiling(..., true)).
+// SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
 template <Epilogue E>
 void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
             bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
-            ArgmaxPartial *partial, cudaStream_t s) {
+            ArgmaxPartial *partial, cudaStream_t s, int64_t pair = 0) {
     const bool x_vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
     const bool vectorized = x_vec && aligned16(w);
     const bool stream = vectorized && stream_enabled();
     if (w_tiled && !tiled_gemm_supported())
         fail(DFLASH_STATUS_INTERNAL, "a tiled GEMM weight on a device without the tiled kernel");
-    const Tiling t = tiling(N, K, w_tiled);
-    const dim3 grid(t.blocks(N), unsigned((M + kTileM - 1) / kTileM));
+    constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
+    const Tiling t = kSwiGLU ? Tiling{swiglu_ks(pair, K, w_tiled)} : tiling(N, K, w_tiled);
+    if (kSwiGLU && (t.ks == 0 || !(w_tiled || stream)))
+        fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: no fused tiling for ", pair, " x ", K);
+    const unsigned col_blocks = kSwiGLU ? unsigned(pair / (t.block_cols() / 2)) : t.blocks(N);
+    const dim3 grid(col_blocks, unsigned((M + kTileM - 1) / kTileM));
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
-        if (w_tiled || stream) {
+        if constexpr (kSwiGLU && KS == 8) {
+            return;  // never chosen (swiglu_ks)
+        } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
             auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF>
@@ -525,8 +576,8 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                     : gemm_stream_kernel<KS, E, true, XLoad::Element>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
-                   logits_out, partial);
-        } else {
+                   logits_out, partial, pair);
+        } else if constexpr (!kSwiGLU) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
         }
@@ -568,6 +619,17 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
           bf16 *y, int64_t ldy, cudaStream_t s) {
     if (M == 0 || N == 0) return;
     launch_gemm<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+}
+
+bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
+                 bf16 *out, int64_t ldo, cudaStream_t s) {
+    const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+    if (!(w_tiled ? tiled_gemm_supported() : vectorized && stream_enabled()) || swiglu_ks(inter, K, w_tiled) == 0)
+        return false;
+    if (M == 0 || inter == 0) return true;
+    launch_gemm<Epilogue::SwiGLU>(x, M, ldx, w, w_tiled, 2 * inter, K, out, ldo, 1.f, 0.f, nullptr, nullptr, s,
+                                  inter);
+    return true;
 }
 
 void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,

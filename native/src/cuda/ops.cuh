@@ -56,6 +56,11 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // y[m, N] = x[m, K] . w[N, K]^T
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
           bf16 *y, int64_t ldy, cudaStream_t s);
+// out[m, inter] = silu(g) * u of the GEMM with the fused [gate; up] weight w ([2 * inter, K]), in one
+// kernel (each rounded to bf16 first, as gemm + swiglu round them); false (nothing launched) where
+// no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run.
+bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
+                 bf16 *out, int64_t ldo, cudaStream_t s);
 // logits[m, V] fp32 = softcap(x . lm_head^T * multiplier)
 void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
             float multiplier, float softcap, float *out, cudaStream_t s);
