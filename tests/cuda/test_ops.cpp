@@ -800,6 +800,18 @@ void test_add_rms_norm() {
         });
 }
 
+// Random positions below max_pos, and RoPE's inverse frequencies theta^(-2i / head_dim).
+std::vector<int32_t> random_positions(Rng &rng, int64_t rows, int32_t max_pos) {
+    std::vector<int32_t> pos(static_cast<size_t>(rows));
+    for (auto &p : pos) p = int32_t(rng.index(max_pos));
+    return pos;
+}
+std::vector<float> rope_inv_freq(int64_t head_dim, float theta) {
+    std::vector<float> inv_freq(size_t(head_dim / 2));
+    for (int64_t i = 0; i < head_dim / 2; ++i) inv_freq[size_t(i)] = 1.f / std::pow(theta, float(2 * i) / float(head_dim));
+    return inv_freq;
+}
+
 void test_head_norm_rope() {
     Group g("head_norm_rope");
     if (!g.enabled()) return;
@@ -811,15 +823,12 @@ void test_head_norm_rope() {
         g.run(cat("rows=", s.rows, " heads=", s.heads, " head_dim=", s.head_dim, " ld=+", s.pad,
                   s.norm ? "" : " no norm"),
               [&](Case &c) {
-                  const int64_t ld = s.heads * s.head_dim + s.pad, half = s.head_dim / 2;
+                  const int64_t ld = s.heads * s.head_dim + s.pad;
                   const std::vector<float> x = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
                   std::vector<float> w(size_t(s.head_dim));
                   for (auto &v : w) v = round_bf16(1.f + c.rng.normal(0.2f));
-                  std::vector<int32_t> pos(size_t(s.rows));
-                  for (auto &p : pos) p = int32_t(c.rng.index(40000));
-                  std::vector<float> inv_freq(static_cast<size_t>(half));
-                  for (int64_t i = 0; i < half; ++i)
-                      inv_freq[size_t(i)] = 1.f / std::pow(1e6f, float(2 * i) / float(s.head_dim));
+                  const std::vector<int32_t> pos = random_positions(c.rng, s.rows, 40000);
+                  const std::vector<float> inv_freq = rope_inv_freq(s.head_dim, 1e6f);
                   Weight w_h = upload_weight(*H, w, 1, s.head_dim), w_c = upload_weight(*C, w, 1, s.head_dim);
                   DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
                   DeviceBuffer p_h = upload_vec(*H, pos), p_c = upload_vec(*C, pos);
@@ -1086,16 +1095,13 @@ void test_qkv_norm_rope_write() {
                   const int64_t kv_width = s.kv_heads * s.head_dim;
                   const int64_t q_width = s.heads ? s.heads * s.head_dim : 3 * kv_width;
                   const int64_t ld = q_width + 2 * kv_width;
-                  const int64_t half = s.head_dim / 2, slots_total = s.num_blocks * bs;
+                  const int64_t slots_total = s.num_blocks * bs;
                   const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
                   std::vector<float> wq(size_t(s.head_dim)), wk(size_t(s.head_dim));
                   for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
                   for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
-                  std::vector<int32_t> pos(size_t(s.rows));
-                  for (auto &p : pos) p = int32_t(c.rng.index(40000));
-                  std::vector<float> inv_freq(static_cast<size_t>(half));
-                  for (int64_t i = 0; i < half; ++i)
-                      inv_freq[size_t(i)] = 1.f / std::pow(1e6f, float(2 * i) / float(s.head_dim));
+                  const std::vector<int32_t> pos = random_positions(c.rng, s.rows, 40000);
+                  const std::vector<float> inv_freq = rope_inv_freq(s.head_dim, 1e6f);
                   std::vector<int32_t> all_slots(static_cast<size_t>(slots_total));
                   std::iota(all_slots.begin(), all_slots.end(), 0);
                   std::shuffle(all_slots.begin(), all_slots.end(), c.rng.gen);
