@@ -1170,6 +1170,9 @@ struct AttnShape {
     int64_t nq, ratio, n_kv, head_dim, num_keys;
     MaskKind mask;
     bool wrap;  // first_key > 0 and the keys wrap around the ring
+    // > 0: a ring of this many slots at least (a deployment's capacity), the key count read from
+    // device memory as graphs read it, so the splits cover the whole ring and most are empty
+    int64_t capacity = 0;
 };
 
 // Builds one paged cache on a backend: every slot the keys do not use holds NaN, so a kernel that
@@ -1186,7 +1189,7 @@ struct PagedSetup {
 PagedSetup make_paged(const AttnShape &s, Rng &rng) {
     const int64_t bs = DFLASH_KV_BLOCK_SIZE, kv_width = s.n_kv * s.head_dim;
     PagedSetup p;
-    const int64_t ring_blocks = ceil_div(s.num_keys, bs) + (s.wrap ? 1 : 0);
+    const int64_t ring_blocks = std::max(ceil_div(s.num_keys, bs) + (s.wrap ? 1 : 0), ceil_div(s.capacity, bs));
     p.ring_slots = ring_blocks * bs;
     // Wrapped: the first visible key sits in the second half of the ring, so the keys run past
     // its end and continue at ring slot 0; the partly full block is then in the middle.
@@ -1226,7 +1229,8 @@ PagedSetup make_paged(const AttnShape &s, Rng &rng) {
 
 void run_attention_case(Group &g, const AttnShape &s) {
     g.run(cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
-              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap, q/k/v rows" : ""),
+              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap, q/k/v rows" : "",
+              s.capacity ? cat(" capacity ", s.capacity, ", count on device") : ""),
           [&](Case &c) {
               const PagedSetup p = make_paged(s, c.rng);
               const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
@@ -1243,6 +1247,8 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   DeviceBuffer spos = upload_vec(be, p.slot_positions);
                   DeviceBuffer qpos = upload_vec(be, p.q_positions);
                   DeviceBuffer qb = upload_act(be, q);
+                  const std::vector<int32_t> count = {int32_t(s.num_keys)};
+                  DeviceBuffer count_dev = upload_vec(be, count);
                   DeviceBuffer out = poisoned(be, out_count * act_size(be));
                   PagedKeys keys;
                   keys.k_cache = kc.get();
@@ -1253,6 +1259,7 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   keys.ring_slots = int32_t(p.ring_slots);
                   keys.first_key = p.first_key;
                   keys.num_keys = s.num_keys;
+                  if (s.capacity) keys.num_keys_device = count_dev.as<int32_t>();
                   be.attention(qb.get(), ldq, s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
                                p.mask, keys, out.get());
                   sync(be);
@@ -1274,7 +1281,17 @@ void test_attention() {
         run_attention_case(g, {7, 1, 2, 64, 17, MASK_CAUSAL, false});
         return;
     }
+    // A large ring, few keys, the count on the device (as graphs read it): splits capped at 256
+    // keys, most of them empty.
+    auto run_large_ring_cases = [&] {
+        run_attention_case(g, {16, 4, 2, 128, 200, MASK_CAUSAL, false, 4096});
+        if (g_opt.level < DEFAULT) return;
+        run_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768});
+        run_attention_case(g, {1, 4, 8, 128, 97, MASK_CAUSAL, true, 32768});
+        run_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, false, 20000});
+    };
     if (g_opt.level == FULL) {
+        run_large_ring_cases();
         for (int64_t nk : keys)
             for (MaskKind m : masks)
                 for (int64_t nq : nqs)
@@ -1299,6 +1316,7 @@ void test_attention() {
         run_attention_case(g, {16, 4, 8, 128, 1000, MASK_NONE, true});
         run_attention_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false});
     }
+    run_large_ring_cases();
 }
 
 // ----------------------------------------------------------------------------------------------

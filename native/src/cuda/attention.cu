@@ -90,6 +90,7 @@ attention_split_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const in
 
     const int64_t key_begin = int64_t(split) * keys_per_split;
     const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
+    if (key_begin >= key_end) return;  // past the last key: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * hd;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache);
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache);
@@ -233,6 +234,7 @@ attention_tc_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32
 
     const int64_t key_begin = int64_t(split) * keys_per_split;
     const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
+    if (key_begin >= key_end) return;  // past the last key: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * HD;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache) + int64_t(kv_head) * HD;
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
@@ -364,16 +366,19 @@ attention_tc_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32
     }
 }
 
-// One block per (row, head): merges the splits and writes bf16. The split weights exp(m_s - max)
-// are computed once, in parallel, into shared memory; then each thread sums its dims over the
-// splits with independent loads.
-constexpr int kMaxSplits = 512;
+constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 
-__global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int splits,
-                                         int nq, int n_heads, int hd, bf16 *out) {
+// One block per (row, head): merges the splits that hold keys (in split order; the splits past
+// the last key wrote nothing) and writes bf16. The split weights exp(m_s - max) are computed once,
+// in parallel, into shared memory; then each thread sums its dims over the splits with independent
+// loads.
+__global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
+                                         PagedKeys keys, int64_t keys_per_split, int nq, int n_heads, int hd,
+                                         bf16 *out) {
     pdl_prologue();
     __shared__ float weight_s[kMaxSplits];
     __shared__ float scratch[32];
+    const int splits = int(min(int64_t(grid_splits), (key_count(keys) + keys_per_split - 1) / keys_per_split));
     const int64_t idx = blockIdx.x;  // row * n_heads + head
     const int64_t stride = int64_t(nq) * n_heads;
     float best = -INFINITY;
@@ -409,11 +414,21 @@ struct Plan {
 // twice (264 blocks: 132 SMs).
 //
 // With the key count in device memory (keys.num_keys_device) the grid covers the whole ring, so
-// one recorded graph serves every length; splits past the last key are empty and add zeros.
+// one recorded graph serves every length; splits past the last key return at once and the combine
+// reads only the splits up to the last key (a row's splits past its own last visible key hold
+// masked keys only and add exact zeros).
+//
+// A split holds at most kMaxKeysPerSplit keys (while the ring's splits fit kMaxSplits): with a
+// deployment's capacity (say 32768) the fill-twice rule gives 1024-key splits, so a context of
+// 1024 keys would sit in one split per kv head, read by 8 blocks of the 132 SMs' slots.
+constexpr int64_t kMaxKeysPerSplit = 256;
+
 int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule) {
     const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
     const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
-    return (granules + want - 1) / want * granule;
+    const int64_t fill = (granules + want - 1) / want * granule;
+    const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + kMaxSplits - 1) / kMaxSplits);
+    return std::min(fill, (cap + granule - 1) / granule * granule);
 }
 
 int64_t capacity(const PagedKeys &keys) { return std::max<int64_t>(keys.ring_slots, keys.num_keys); }
@@ -483,6 +498,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
              "; even)");
     const bool tc = use_tc(head_dim);
     const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, covered(keys));
+    if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.
@@ -512,9 +528,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
     }
-    if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
     launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
-        out_part, ml_part, p.splits, int(nq), int(n_heads), int(head_dim), out);
+        out_part, ml_part, p.splits, keys, p.keys_per_split, int(nq), int(n_heads), int(head_dim), out);
 }
 
 }  // namespace cuda
