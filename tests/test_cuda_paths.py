@@ -158,10 +158,20 @@ def test_target_greedy_cuda_matches_host_until_a_near_tie(make_pair, case):
 def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size, prompt_lengths):
     """Bit-for-bit batch invariance: a row verified among a block gives the token it gives decoded alone. Long
     prompts put the keys in many attention splits (whose boundaries must not depend on the row count)."""
+    _speculative_equals_autoregressive(make_pair, case, block_size, prompt_lengths, 1024)
+
+
+def test_cuda_speculative_equals_cuda_autoregressive_large_capacity(make_pair):
+    """The same in sequences of capacity 32768: attention's splits are then capped (256 keys), most of the
+    ring's splits are empty, and the rows of a block read different numbers of them."""
+    _speculative_equals_autoregressive(make_pair, 0, None, (500, 900), 32768)
+
+
+def _speculative_equals_autoregressive(make_pair, case, block_size, prompt_lengths, max_seq_len):
     target_dir, draft_dir = make_pair(900 + case, **CASES[case])
     rng = np.random.default_rng(7 + case + prompt_lengths[0])
-    with Target.from_pretrained(target_dir, backend="cuda", max_seq_len=1024) as target, \
-            Drafter.from_pretrained(draft_dir, target=target, max_seq_len=1024) as drafter:
+    with Target.from_pretrained(target_dir, backend="cuda", max_seq_len=max_seq_len) as target, \
+            Drafter.from_pretrained(draft_dir, target=target, max_seq_len=max_seq_len) as drafter:
         for trial in range(LOSSLESS_TRIALS):
             prompt = rng.integers(0, 300, size=int(rng.integers(*prompt_lengths))).tolist()
             ar = pydflash.generate(target, None, prompt, LOSSLESS_TOKENS).output_ids

@@ -80,6 +80,10 @@ struct PagedKeys {
     // graph replays at any length; num_keys is then the host's copy (checks), and the key splits
     // are laid over the whole ring (max(ring_slots, num_keys)), not over num_keys.
     const int32_t *num_keys_device = nullptr;
+    // Calls of up to this many query rows lay their key splits alike (rows that must agree bit for
+    // bit: verify blocks and decode steps; the model's widest block), so the cuda backend may use
+    // short splits for them; wider calls (prefill chunks) and 0 keep its default splits.
+    int64_t uniform_rows = 0;
 };
 
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it

@@ -413,6 +413,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     keys.block_table = seq.table.device();
     keys.slot_positions = seq.slot_positions_dev.as<int32_t>();
     keys.ring_slots = ring_slots_;
+    keys.uniform_rows = gamma_;  // every block width splits the keys alike
     keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, seq.cached - p_.ctx_window) : 0;
     keys.num_keys = seq.cached - keys.first_key + width;
 

@@ -926,17 +926,20 @@ void test_gemm() {
 }
 
 // The fused GEMM + SwiGLU (the MLP's gate_up and its activation) against the host's gemm then swiglu.
-// inter a multiple of 16 and of the block's gate columns runs fused on cuda, 40 falls back to the pair.
+// On the H200 (264 / 396 block slots): 64 x 64 fuses with ks 1, 640 x 136 with ks 1 and a partial
+// last chunk, 608 x 200 with ks 2 (K % 64 = 8), 1024 x 512 and 3072 x 1024 with ks 4; 64 x 100
+// (K % 8 != 0) fuses with tiled weights only (element x loads); 608 x 136 and 40 x 64 (no fused
+// tiling) fall back to the pair.
 void test_gemm_swiglu() {
     Group g("gemm_swiglu");
     if (!g.enabled()) return;
     std::vector<int64_t> ms = {1, 7, 16, 17, 33};
     struct IK { int64_t inter, k; };
-    std::vector<IK> iks = {{64, 64}, {608, 136}, {1024, 512}, {3072, 1024}, {40, 64}};
+    std::vector<IK> iks = {{64, 64}, {640, 136}, {608, 200}, {1024, 512}, {3072, 1024}, {64, 100}, {608, 136}, {40, 64}};
     if (g_opt.level == QUICK) ms = {1, 16, 17};
     if (g_opt.level == SMOKE) {
         ms = {1, 16};
-        iks = {{608, 136}, {40, 64}};
+        iks = {{640, 136}, {40, 64}};
     }
     int idx = 0;
     for (int64_t m : ms)
@@ -1173,6 +1176,7 @@ struct AttnShape {
     // > 0: a ring of this many slots at least (a deployment's capacity), the key count read from
     // device memory as graphs read it, so the splits cover the whole ring and most are empty
     int64_t capacity = 0;
+    int64_t uniform_rows = 16;  // PagedKeys::uniform_rows (the engine's verify width); 0: default splits
 };
 
 // Builds one paged cache on a backend: every slot the keys do not use holds NaN, so a kernel that
@@ -1260,6 +1264,7 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   keys.first_key = p.first_key;
                   keys.num_keys = s.num_keys;
                   if (s.capacity) keys.num_keys_device = count_dev.as<int32_t>();
+                  keys.uniform_rows = s.uniform_rows;
                   be.attention(qb.get(), ldq, s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
                                p.mask, keys, out.get());
                   sync(be);
@@ -1285,10 +1290,14 @@ void test_attention() {
     // keys, most of them empty.
     auto run_large_ring_cases = [&] {
         run_attention_case(g, {16, 4, 2, 128, 200, MASK_CAUSAL, false, 4096});
+        run_attention_case(g, {9, 2, 2, 96, 700, MASK_CAUSAL, false, 8192});  // the non-tensor-core kernel
         if (g_opt.level < DEFAULT) return;
-        run_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768});
-        run_attention_case(g, {1, 4, 8, 128, 97, MASK_CAUSAL, true, 32768});
+        run_attention_case(g, {16, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
+        run_attention_case(g, {1, 4, 2, 128, 97, MASK_CAUSAL, true, 32768});
         run_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, false, 20000});
+        run_attention_case(g, {33, 4, 2, 64, 3000, MASK_CAUSAL, false, 65536, 64});  // capacity / 64 keys a split
+        run_attention_case(g, {33, 4, 2, 128, 2000, MASK_CAUSAL, false, 32768, 0});  // default splits
+        run_attention_case(g, {96, 2, 2, 256, 500, MASK_CAUSAL, false, 8192});       // wider than uniform_rows
     };
     if (g_opt.level == FULL) {
         run_large_ring_cases();

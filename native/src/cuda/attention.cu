@@ -418,16 +418,23 @@ struct Plan {
 // reads only the splits up to the last key (a row's splits past its own last visible key hold
 // masked keys only and add exact zeros).
 //
-// A split holds at most kMaxKeysPerSplit keys (while the ring's splits fit kMaxSplits): with a
-// deployment's capacity (say 32768) the fill-twice rule gives 1024-key splits, so a context of
-// 1024 keys would sit in one split per kv head, read by 8 blocks of the 132 SMs' slots.
+// Calls of up to keys.uniform_rows query rows (verify blocks and decode steps, whose rows must
+// agree bit for bit: the split depends on that model constant, not on the call's nq) split at most
+// kMaxKeysPerSplit keys while the ring holds at most min(128, 4096 / uniform_rows) such splits
+// (partials of uniform_rows x splits vectors: 33 MB of scratch at 16 rows and 32 heads of 128):
+// with a deployment's capacity (say 32768) the fill-twice rule alone gives 1024-key splits, so a
+// context of 1024 keys would sit in one split per kv head, read by 8 blocks of the 132 SMs'
+// slots. Wider calls (prefill chunks) keep the fill rule: their query tiles fill the GPU.
 constexpr int64_t kMaxKeysPerSplit = 256;
 
-int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule) {
+int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule, int64_t nq,
+                       int64_t uniform_rows) {
     const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
     const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
     const int64_t fill = (granules + want - 1) / want * granule;
-    const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + kMaxSplits - 1) / kMaxSplits);
+    if (uniform_rows <= 0 || nq > uniform_rows) return fill;
+    const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(128, 4096 / uniform_rows));
+    const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + max_splits - 1) / max_splits);
     return std::min(fill, (cap + granule - 1) / granule * granule);
 }
 
@@ -442,7 +449,7 @@ Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys
     const int64_t group = n_heads / n_kv_heads;
     p.rows_per_tile = int(std::max<int64_t>(1, kMaxQueryVectors / group));
     p.q_tiles = int((nq + p.rows_per_tile - 1) / p.rows_per_tile);
-    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kKeysPerChunk);
+    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kKeysPerChunk, nq, keys.uniform_rows);
     p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }
@@ -455,7 +462,7 @@ Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &k
     const int64_t vectors = nq * (n_heads / n_kv_heads);
     p.rows_per_tile = 0;  // unused: tiles are of query vectors
     p.q_tiles = int((vectors + kTcVectors - 1) / kTcVectors);
-    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kTcKeys);
+    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kTcKeys, nq, keys.uniform_rows);
     p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
     return p;
 }

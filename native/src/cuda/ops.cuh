@@ -32,13 +32,14 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
 void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
                   bf16 *y, cudaStream_t s);
 
-// rope.cu: per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
-// Backend::qkv_norm_rope_write in one kernel, for an even head_dim up to 256 (qkv_norm_rope_write_fused).
+// rope.cu: Backend::qkv_norm_rope_write in one kernel, for an even head_dim up to 256
+// (qkv_norm_rope_write_fused).
 bool qkv_norm_rope_write_fused(int64_t head_dim);
 void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps, const int32_t *positions,
-                         const float *inv_freq, float attention_factor, const int32_t *slots, bf16 *k_cache,
-                         bf16 *v_cache, cudaStream_t s);
+                         int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps,
+                         const int32_t *positions, const float *inv_freq, float attention_factor,
+                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s);
+// per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
 void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                     const bf16 *w, float eps, const int32_t *positions, const float *inv_freq,
                     float attention_factor, cudaStream_t s);
