@@ -437,7 +437,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                             keys, attn_.get());
         backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
         backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
-        backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(), mlp_.get());
+        backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                              mlp_.get());
         backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
         backend_->add_rms_norm(x_.get(), xn_.get(), width, H,
                                l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight"), eps,

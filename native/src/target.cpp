@@ -266,7 +266,8 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                                 AttentionMask{true, 0}, keys, attn_.get());
             backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
             backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
-            backend_->gemm_swiglu(xn_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(), mlp_.get());
+            backend_->gemm_swiglu(xn_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                  mlp_.get());
             backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
             const bool last = l + 1 == p_.num_layers;
             backend_->add_rms_norm(x_.get(), xn_.get(), n, H,

@@ -808,7 +808,8 @@ std::vector<int32_t> random_positions(Rng &rng, int64_t rows, int32_t max_pos) {
 }
 std::vector<float> rope_inv_freq(int64_t head_dim, float theta) {
     std::vector<float> inv_freq(size_t(head_dim / 2));
-    for (int64_t i = 0; i < head_dim / 2; ++i) inv_freq[size_t(i)] = 1.f / std::pow(theta, float(2 * i) / float(head_dim));
+    for (int64_t i = 0; i < head_dim / 2; ++i)
+        inv_freq[size_t(i)] = 1.f / std::pow(theta, float(2 * i) / float(head_dim));
     return inv_freq;
 }
 
@@ -935,7 +936,8 @@ void test_gemm_swiglu() {
     if (!g.enabled()) return;
     std::vector<int64_t> ms = {1, 7, 16, 17, 33};
     struct IK { int64_t inter, k; };
-    std::vector<IK> iks = {{64, 64}, {640, 136}, {608, 200}, {1024, 512}, {3072, 1024}, {64, 100}, {608, 136}, {40, 64}};
+    std::vector<IK> iks = {{64, 64},    {640, 136}, {608, 200}, {1024, 512},
+                           {3072, 1024}, {64, 100}, {608, 136}, {40, 64}};
     if (g_opt.level == QUICK) ms = {1, 16, 17};
     if (g_opt.level == SMOKE) {
         ms = {1, 16};
@@ -950,14 +952,16 @@ void test_gemm_swiglu() {
                       [&](Case &c) {
                           const int64_t ldx = ik.k + pad_x, n = 2 * ik.inter;
                           const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
-                          const std::vector<float> w = c.rng.bf16_normal(size_t(n * ik.k), 1.f / std::sqrt(float(ik.k)));
+                          const std::vector<float> w =
+                              c.rng.bf16_normal(size_t(n * ik.k), 1.f / std::sqrt(float(ik.k)));
                           Weight w_h = upload_weight(*H, w, n, ik.k), w_c = upload_weight(*C, w, n, ik.k);
                           if (tiled) w_c = tiled_weight(*C, w_c);
                           DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
                           DeviceBuffer s_h = poisoned(*H, size_t(m * n) * act_size(*H));
                           DeviceBuffer s_c = poisoned(*C, size_t(m * n) * act_size(*C));
                           const size_t total = size_t(m * ik.inter);
-                          DeviceBuffer y_h = poisoned(*H, total * act_size(*H)), y_c = poisoned(*C, total * act_size(*C));
+                          DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
+                          DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
                           H->gemm_swiglu(x_h.get(), m, ldx, w_h.view, ik.inter, s_h.get(), y_h.get());
                           C->gemm_swiglu(x_c.get(), m, ldx, w_c.view, ik.inter, s_c.get(), y_c.get());
                           sync(*C);
@@ -1114,10 +1118,12 @@ void test_qkv_norm_rope_write() {
                   std::vector<std::vector<uint8_t>> caches[2];
                   for (int b = 0; b < 2; ++b) {
                       Backend &be = b ? *C : *H;
-                      Weight w_q = upload_weight(be, wq, 1, s.head_dim), w_k = upload_weight(be, wk, 1, s.head_dim);
+                      Weight w_q = upload_weight(be, wq, 1, s.head_dim);
+                      Weight w_k = upload_weight(be, wk, 1, s.head_dim);
                       DeviceBuffer x = upload_act(be, qkv), p = upload_vec(be, pos), f = upload_vec(be, inv_freq);
                       DeviceBuffer sl = upload_vec(be, slots);
-                      DeviceBuffer kc = poisoned(be, cache * act_size(be)), vc = poisoned(be, cache * act_size(be));
+                      DeviceBuffer kc = poisoned(be, cache * act_size(be));
+                      DeviceBuffer vc = poisoned(be, cache * act_size(be));
                       void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
                       be.qkv_norm_rope_write(s.heads ? x.get() : nullptr, ld, kv, ld, s.rows, s.heads, s.kv_heads,
                                              s.head_dim, s.norm ? &w_q.view : nullptr, s.norm ? &w_k.view : nullptr,

@@ -47,7 +47,8 @@ __device__ __forceinline__ int64_t key_slot(const PagedKeys &keys, int64_t ring)
     return int64_t(keys.block_table[ring / keys.block_size]) * keys.block_size + ring % keys.block_size;
 }
 
-// q: nq rows at stride ldq of [n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32; ml_part: [splits, nq, n_heads]
+// q: nq rows at stride ldq of [n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32;
+// ml_part: [splits, nq, n_heads]
 __global__ void __launch_bounds__(kWarps * 32)
 attention_split_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32_t *__restrict__ q_positions,
                        int n_heads, int n_kv_heads, int hd, int rows_per_tile, float scale,

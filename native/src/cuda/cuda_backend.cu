@@ -179,24 +179,28 @@ public:
     void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
                      void *gate_up_scratch, void *out) override {
         if (gate_up.rows != 2 * inter)
-            fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ", inter);
-        if (!cuda::gemm_swiglu(as_bf16(x), m, ldx, weight_data(gate_up, "gemm_swiglu", true), gate_up.tiled, inter,
-                               gate_up.cols, as_bf16(out), inter, stream_))
+            fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ",
+                 inter);
+        const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
+        if (!cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
+                               stream_))
             Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out);
     }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
-                             int64_t kv_heads, int64_t head_dim, const WeightView *q_norm, const WeightView *k_norm,
-                             float eps, const int32_t *positions, const float *inv_freq, float attention_factor,
-                             const int32_t *slots, void *k_cache, void *v_cache) override {
+                             int64_t kv_heads, int64_t head_dim, const WeightView *q_norm,
+                             const WeightView *k_norm, float eps, const int32_t *positions,
+                             const float *inv_freq, float attention_factor, const int32_t *slots,
+                             void *k_cache, void *v_cache) override {
         if (!cuda::qkv_norm_rope_write_fused(head_dim)) {
-            Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm, eps,
-                                         positions, inv_freq, attention_factor, slots, k_cache, v_cache);
+            Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm,
+                                         eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
             return;
         }
-        cuda::qkv_norm_rope_write(as_bf16(q), ldq, as_bf16(kv), ldkv, rows, heads, kv_heads, head_dim,
-                                  q_norm ? weight_data(*q_norm, "qkv_norm_rope_write") : nullptr,
-                                  k_norm ? weight_data(*k_norm, "qkv_norm_rope_write") : nullptr, eps, positions,
-                                  inv_freq, attention_factor, slots, as_bf16(k_cache), as_bf16(v_cache), stream_);
+        const bf16 *wq = q_norm ? weight_data(*q_norm, "qkv_norm_rope_write") : nullptr;
+        const bf16 *wk = k_norm ? weight_data(*k_norm, "qkv_norm_rope_write") : nullptr;
+        cuda::qkv_norm_rope_write(as_bf16(q), ldq, as_bf16(kv), ldkv, rows, heads, kv_heads, head_dim, wq, wk,
+                                  eps, positions, inv_freq, attention_factor, slots, as_bf16(k_cache),
+                                  as_bf16(v_cache), stream_);
     }
     void head_norm_rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                         const WeightView *w, float eps, const int32_t *positions,

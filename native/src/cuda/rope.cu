@@ -145,9 +145,9 @@ void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int6
 bool qkv_norm_rope_write_fused(int64_t head_dim) { return head_dim % 2 == 0 && head_dim <= 64 * kMaxPairsPerLane; }
 
 void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps, const int32_t *positions,
-                         const float *inv_freq, float attention_factor, const int32_t *slots, bf16 *k_cache,
-                         bf16 *v_cache, cudaStream_t s) {
+                         int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps,
+                         const int32_t *positions, const float *inv_freq, float attention_factor,
+                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s) {
     const int64_t items = rows * (heads + 2 * kv_heads);
     if (items == 0) return;
     if (!qkv_norm_rope_write_fused(head_dim) || heads + 2 * kv_heads > INT32_MAX)
