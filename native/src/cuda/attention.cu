@@ -8,6 +8,7 @@
 // lane accumulates head_dim/32 output dims. A combine kernel merges the splits.
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
+#include <cstdlib>
 
 #include "ops.cuh"
 
@@ -433,7 +434,11 @@ int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule, in
     const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
     const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
     const int64_t fill = (granules + want - 1) / want * granule;
-    if (uniform_rows <= 0 || nq > uniform_rows) return fill;
+    static const bool short_splits = [] {  // DFLASH_ATTN_SHORT_SPLITS=0: the fill rule for every call
+        const char *v = std::getenv("DFLASH_ATTN_SHORT_SPLITS");
+        return !(v && v[0] == '0');
+    }();
+    if (!short_splits || uniform_rows <= 0 || nq > uniform_rows) return fill;
     const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(128, 4096 / uniform_rows));
     const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + max_splits - 1) / max_splits);
     return std::min(fill, (cap + granule - 1) / granule * granule);

@@ -16,6 +16,15 @@
 namespace dflash {
 namespace {
 
+// A fusion's kill switch: on unless the environment variable is "0" (read once per switch).
+struct EnvSwitch {
+    bool on;
+    explicit EnvSwitch(const char *name) {
+        const char *v = std::getenv(name);
+        on = !(v && v[0] == '0');
+    }
+};
+
 const bf16 *as_bf16(const void *p) { return static_cast<const bf16 *>(p); }
 bf16 *as_bf16(void *p) { return static_cast<bf16 *>(p); }
 
@@ -181,8 +190,9 @@ public:
         if (gate_up.rows != 2 * inter)
             fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ",
                  inter);
+        static const EnvSwitch fused("DFLASH_FUSED_SWIGLU");
         const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
-        if (!cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
+        if (!fused.on || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
                                stream_))
             Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out);
     }
@@ -191,7 +201,8 @@ public:
                              const WeightView *k_norm, float eps, const int32_t *positions,
                              const float *inv_freq, float attention_factor, const int32_t *slots,
                              void *k_cache, void *v_cache) override {
-        if (!cuda::qkv_norm_rope_write_fused(head_dim)) {
+        static const EnvSwitch fused("DFLASH_FUSED_QKV_ROPE");
+        if (!fused.on || !cuda::qkv_norm_rope_write_fused(head_dim)) {
             Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm,
                                          eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
             return;
