@@ -51,7 +51,7 @@ __device__ __forceinline__ int64_t key_slot(const PagedKeys &keys, int64_t ring)
 // q: nq rows at stride ldq of [n_heads * hd]; out_part: [splits, nq, n_heads, hd] fp32;
 // ml_part: [splits, nq, n_heads]
 __global__ void __launch_bounds__(kWarps * 32)
-attention_split_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32_t *__restrict__ q_positions,
+attention_split_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                        int n_heads, int n_kv_heads, int hd, int rows_per_tile, float scale,
                        bool causal, int32_t window, PagedKeys keys, int64_t keys_per_split,
                        float *out_part, Split *ml_part) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 template <int HD>
 __global__ void __launch_bounds__(kTcWarps * 32)
-attention_tc_kernel(const bf16 *__restrict__ q, int64_t ldq, int nq, const int32_t *__restrict__ q_positions,
+attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                     PagedKeys keys, int64_t keys_per_split, float *out_part, Split *ml_part) {
     pdl_prologue();

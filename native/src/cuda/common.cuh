@@ -137,6 +137,26 @@ __device__ __forceinline__ void pdl_prologue() {
     pdl_wait();
 }
 
+// Loads of what an earlier kernel wrote (activations, caches) must be coherent ld.global, never
+// ld.global.nc (__ldg, or what the compiler makes of a const __restrict__ pointer): with
+// programmatic dependent launch the writer may still run while this kernel starts, and a
+// non-coherent load's data must be read-only for the whole life of the kernel, so nothing keeps
+// one below pdl_wait (the H200 showed it: the tiled GEMM with x two chunks ahead read stale x
+// under PDL and never without). Weights, constant for the library's life, may take the
+// read-only path. asm volatile keeps these after the (volatile) wait.
+__device__ __forceinline__ uint4 load_act16(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t load_act_u16(const void *p) {
+    unsigned short v;
+    asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+    return v;
+}
+
 // Whether launches on the current device use programmatic stream serialization: compute
 // capability 9.0 or newer, unless DFLASH_PDL=0.
 bool pdl_enabled();

@@ -81,13 +81,16 @@ __device__ __forceinline__ float finish_logit(float v, float multiplier, float s
 // .. +15), as 8 words; zeros past K or for a row out of range. x and w use the same function, so
 // both see the same relabelling of k. (Measured on the H200: this layout with 2 chunks in flight
 // beat a split-halves layout (64 contiguous bytes per quad load) and 4 chunks in flight, by 1-5%.)
-__device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld, int64_t row,
+// kWeights: base is a weight (read-only loads); else an activation (load_act16 / load_act_u16).
+template <bool kWeights>
+__device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row,
                                        bool row_ok, int64_t c0, int q, int64_t K, bool vectorized,
                                        uint32_t out[8]) {
     const int64_t k_lo = c0 + q * 16, k_hi = k_lo + 8;
     if (row_ok && vectorized && c0 + kChunk <= K) {
-        const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(base + row * ld + k_lo));
-        const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(base + row * ld + k_hi));
+        const bf16 *r = base + row * ld;
+        const uint4 v0 = kWeights ? __ldg(reinterpret_cast<const uint4 *>(r + k_lo)) : load_act16(r + k_lo);
+        const uint4 v1 = kWeights ? __ldg(reinterpret_cast<const uint4 *>(r + k_hi)) : load_act16(r + k_hi);
         out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
         out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
         return;
@@ -96,8 +99,9 @@ __device__ __forceinline__ void load16(const bf16 *__restrict__ base, int64_t ld
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int64_t k0 = (i < 4 ? k_lo : k_hi) + 2 * (i & 3);
-        const uint32_t lo = row_ok && k0 < K ? p[k0] : 0u;
-        const uint32_t hi = row_ok && k0 + 1 < K ? p[k0 + 1] : 0u;
+        uint32_t lo = 0u, hi = 0u;
+        if (row_ok && k0 < K) lo = kWeights ? uint32_t(__ldg(p + k0)) : load_act_u16(p + k0);
+        if (row_ok && k0 + 1 < K) hi = kWeights ? uint32_t(__ldg(p + k0 + 1)) : load_act_u16(p + k0 + 1);
         out[i] = lo | (hi << 16);
     }
 }
@@ -119,16 +123,16 @@ struct XRow {
         : row(x + (r_ok ? r : m0) * ldx), keep(r_ok ? 0xffffffffu : 0u) {}
     // Every row of the tile < M and every chunk whole (M % 16 == 0, K % 64 == 0): plain loads.
     __device__ __forceinline__ void load_full(int64_t c0, int q, uint32_t out[8]) const {
-        const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(row + c0 + q * 16));
-        const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(row + c0 + q * 16 + 8));
+        const uint4 v0 = load_act16(row + c0 + q * 16);
+        const uint4 v1 = load_act16(row + c0 + q * 16 + 8);
         out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
         out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
     }
     __device__ __forceinline__ void load(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
         const int64_t k0 = c0 + q * 16, k1 = k0 + 8;
         const uint32_t keep0 = k0 < K ? keep : 0u, keep1 = k1 < K ? keep : 0u;
-        const uint4 v0 = __ldg(reinterpret_cast<const uint4 *>(row + (k0 < K ? k0 : 0)));
-        const uint4 v1 = __ldg(reinterpret_cast<const uint4 *>(row + (k1 < K ? k1 : 0)));
+        const uint4 v0 = load_act16(row + (k0 < K ? k0 : 0));
+        const uint4 v1 = load_act16(row + (k1 < K ? k1 : 0));
         out[0] = v0.x & keep0, out[1] = v0.y & keep0, out[2] = v0.z & keep0, out[3] = v0.w & keep0;
         out[4] = v1.x & keep1, out[5] = v1.y & keep1, out[6] = v1.z & keep1, out[7] = v1.w & keep1;
     }
@@ -255,7 +259,7 @@ constexpr size_t stream_smem_bytes() {
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
 template <int KS, Epilogue E>
 __global__ void __launch_bounds__(kWarps * 32)
-gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                 int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
                 float softcap, float *logits_out, ArgmaxPartial *partial) {
     pdl_prologue();
@@ -270,11 +274,11 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 #pragma unroll
         for (int t = 0; t < kNt; ++t) {
             const int64_t n = wt.col0 + t * 8 + wt.g;
-            load16(w, K, n, n < N, c0, wt.q, K, vectorized, wb[t]);
+            load16<true>(w, K, n, n < N, c0, wt.q, K, vectorized, wb[t]);
         }
         uint32_t x0[8], x1[8];
-        load16(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, vectorized, x0);
-        load16(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, vectorized, x1);
+        load16<false>(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, vectorized, x0);
+        load16<false>(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, vectorized, x1);
         mma_chunk(acc, x0, x1, wb);
     }
     finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial);
@@ -291,7 +295,7 @@ gemm_mma_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
 template <int KS, Epilogue E, bool TILED, XLoad XL>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
-gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair) {
     pdl_launch_dependents();
@@ -356,7 +360,7 @@ gemm_stream_kernel(const bf16 *__restrict__ x, int64_t M, int64_t ldx, const bf1
         else if constexpr (XL == XLoad::Masked)
             (r ? xr1 : xr0).load(c0, wt.q, K, out);
         else
-            load16(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
+            load16<false>(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
     // x in registers, kXAhead chunks ahead of the mma: x comes from L1/L2 (at M = 16 as many bytes
     // as the weights), and one chunk ahead leaves that latency in every step; the tiled kernel's
