@@ -434,10 +434,8 @@ int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule, in
     const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
     const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
     const int64_t fill = (granules + want - 1) / want * granule;
-    static const bool short_splits = [] {  // DFLASH_ATTN_SHORT_SPLITS=0: the fill rule for every call
-        const char *v = std::getenv("DFLASH_ATTN_SHORT_SPLITS");
-        return !(v && v[0] == '0');
-    }();
+    // DFLASH_ATTN_SHORT_SPLITS=0: the fill rule for every call
+    static const bool short_splits = env_switch_on("DFLASH_ATTN_SHORT_SPLITS");
     if (!short_splits || uniform_rows <= 0 || nq > uniform_rows) return fill;
     const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(128, 4096 / uniform_rows));
     const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + max_splits - 1) / max_splits);

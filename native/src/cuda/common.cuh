@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <utility>
 
 #include "../common.hpp"
@@ -155,6 +156,13 @@ __device__ __forceinline__ uint32_t load_act_u16(const void *p) {
     unsigned short v;
     asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
     return v;
+}
+
+// A kill switch of the environment: on unless the variable is set to something starting with "0".
+// Callers read it once (a function-local static) so a switch holds for the process.
+inline bool env_switch_on(const char *name) {
+    const char *v = std::getenv(name);
+    return !(v && v[0] == '0');
 }
 
 // Whether launches on the current device use programmatic stream serialization: compute

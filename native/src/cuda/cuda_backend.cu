@@ -16,15 +16,6 @@
 namespace dflash {
 namespace {
 
-// A fusion's kill switch: on unless the environment variable is "0" (read once per switch).
-struct EnvSwitch {
-    bool on;
-    explicit EnvSwitch(const char *name) {
-        const char *v = std::getenv(name);
-        on = !(v && v[0] == '0');
-    }
-};
-
 const bf16 *as_bf16(const void *p) { return static_cast<const bf16 *>(p); }
 bf16 *as_bf16(void *p) { return static_cast<bf16 *>(p); }
 
@@ -154,10 +145,7 @@ public:
     // On by default (measured on the H200: decode 8% faster, verify and propose the same or faster);
     // DFLASH_GEMM_TILED=0 keeps row-major weights (an A/B switch).
     bool tiles_gemm_weights() const override {
-        static const bool wanted = [] {
-            const char *v = std::getenv("DFLASH_GEMM_TILED");
-            return !(v && v[0] == '0');
-        }();
+        static const bool wanted = env_switch_on("DFLASH_GEMM_TILED");
         return wanted && cuda::tiled_gemm_supported();
     }
     void tile_gemm_weight(const WeightView &src, void *dst) override {
@@ -190,10 +178,10 @@ public:
         if (gate_up.rows != 2 * inter)
             fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ",
                  inter);
-        static const EnvSwitch fused("DFLASH_FUSED_SWIGLU");
+        static const bool fused = env_switch_on("DFLASH_FUSED_SWIGLU");
         const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
-        if (!fused.on || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
-                               stream_))
+        if (!fused || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out),
+                                         inter, stream_))
             Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out);
     }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
@@ -201,8 +189,8 @@ public:
                              const WeightView *k_norm, float eps, const int32_t *positions,
                              const float *inv_freq, float attention_factor, const int32_t *slots,
                              void *k_cache, void *v_cache) override {
-        static const EnvSwitch fused("DFLASH_FUSED_QKV_ROPE");
-        if (!fused.on || !cuda::qkv_norm_rope_write_fused(head_dim)) {
+        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
+        if (!fused || !cuda::qkv_norm_rope_write_fused(head_dim)) {
             Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm,
                                          eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
             return;
@@ -303,10 +291,7 @@ private:
 bool cuda_compiled() { return true; }
 
 bool pdl_enabled() {
-    static const bool allowed = [] {
-        const char *v = std::getenv("DFLASH_PDL");
-        return !(v && v[0] == '0');
-    }();
+    static const bool allowed = env_switch_on("DFLASH_PDL");
     static signed char by_device[64] = {};  // 0 unknown, 1 yes, -1 no
     if (!allowed) return false;
     int device = 0;

@@ -494,10 +494,7 @@ const DeviceFacts &device_facts() {
 // The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
 // (same tiling, same results: an A/B switch for benchmarks).
 bool stream_enabled() {
-    static const bool on = [] {
-        const char *v = std::getenv("DFLASH_GEMM_STREAM");
-        return !(v && v[0] == '0');
-    }();
+    static const bool on = env_switch_on("DFLASH_GEMM_STREAM");
     return on && device_facts().stream_blocks_per_sm > 0;
 }
 
@@ -512,39 +509,39 @@ struct Tiling {
     unsigned blocks(int64_t N) const { return unsigned((N + block_cols() - 1) / block_cols()); }
 };
 
-Tiling tiling(int64_t N, int64_t K, bool tiled) {
+// The k-split (1, 2, 4, 8, at most max_ks) whose grid best fills the resident block slots of the
+// layout; a larger ks must beat the best so far by 0.02 of a wave, and slices of under two chunks
+// only add reduce work. blocks(ks): that tiling's block count, or < 0 where it cannot serve. 0 when
+// no ks can.
+template <class Blocks>
+int best_ks(int64_t K, bool tiled, int max_ks, Blocks blocks) {
     const DeviceFacts &f = device_facts();
     const double slots = double(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
     const int64_t chunks = (K + kChunk - 1) / kChunk;
-    Tiling best{1};
+    int best = 0;
     double best_score = -1.0;
     for (int ks : {1, 2, 4, 8}) {
-        if (ks > 1 && chunks < 2 * ks) break;  // slices of under two chunks only add reduce work
-        const double b = Tiling{ks}.blocks(N);
+        if (ks > max_ks || (ks > 1 && chunks < 2 * ks)) break;
+        const double b = blocks(ks);
+        if (b < 0) continue;
         const double score = b <= slots ? b / slots : b / (std::ceil(b / slots) * slots);
-        if (score > best_score + 0.02) best = Tiling{ks}, best_score = score;
+        if (score > best_score + 0.02) best = ks, best_score = score;
     }
     return best;
+}
+
+Tiling tiling(int64_t N, int64_t K, bool tiled) {
+    return Tiling{best_ks(K, tiled, 8, [&](int ks) { return double(Tiling{ks}.blocks(N)); })};
 }
 
 // The fused GEMM + SwiGLU's tiling: ks <= 4 (a block needs a gate and an up column group) and
 // pair (the intermediate size) a multiple of the block's gate columns; 0 where none fits. Scored
 // as tiling() scores, over pair / (block_cols / 2) blocks. A function of pair, K and the layout.
 int swiglu_ks(int64_t pair, int64_t K, bool tiled) {
-    const DeviceFacts &f = device_facts();
-    const double slots = double(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
-    const int64_t chunks = (K + kChunk - 1) / kChunk;
-    int best = 0;
-    double best_score = -1.0;
-    for (int ks : {1, 2, 4}) {
-        if (ks > 1 && chunks < 2 * ks) break;
+    return best_ks(K, tiled, 4, [&](int ks) {
         const int64_t half_cols = Tiling{ks}.block_cols() / 2;
-        if (pair % half_cols) continue;
-        const double b = double(pair / half_cols);
-        const double score = b <= slots ? b / slots : b / (std::ceil(b / slots) * slots);
-        if (score > best_score + 0.02) best = ks, best_score = score;
-    }
-    return best;
+        return pair % half_cols ? -1.0 : double(pair / half_cols);
+    });
 }
 
 // w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
