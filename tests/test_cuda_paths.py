@@ -162,9 +162,29 @@ def test_cuda_speculative_equals_cuda_autoregressive(make_pair, case, block_size
 
 
 def test_cuda_speculative_equals_cuda_autoregressive_large_capacity(make_pair):
-    """The same in sequences of capacity 32768: attention's splits are then capped (256 keys), most of the
-    ring's splits are empty, and the rows of a block read different numbers of them."""
+    """The same in sequences of capacity 32768: the key count is read on the device, splits whose first
+    chunk lies past the last key return at once, and the rows of a block read different numbers of
+    chunks."""
     _speculative_equals_autoregressive(make_pair, 0, None, (500, 900), 32768)
+
+
+def test_cuda_speculative_equals_cuda_autoregressive_few_splits():
+    """The long-prompt lossless cases again in a process where attention aims at 4 blocks
+    (DFLASH_ATTN_FILL=4, read once per process): one or two splits per kv head, so every split reads
+    many key chunks (split s: chunks s, s + splits, ...), some of them wholly masked for a row, and
+    rows decoded alone must still sum them exactly as when verified in a block."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DFLASH_ATTN_FILL="4")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, "-P", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-k", "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity",
+         os.path.join(here, "test_cuda_paths.py")],
+        env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "4 passed" in run.stdout, run.stdout[-500:]
 
 
 def _speculative_equals_autoregressive(make_pair, case, block_size, prompt_lengths, max_seq_len):

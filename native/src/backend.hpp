@@ -80,9 +80,9 @@ struct PagedKeys {
     // graph replays at any length; num_keys is then the host's copy (checks), and the key splits
     // are laid over the whole ring (max(ring_slots, num_keys)), not over num_keys.
     const int32_t *num_keys_device = nullptr;
-    // Calls of up to this many query rows lay their key splits alike (rows that must agree bit for
-    // bit: verify blocks and decode steps; the model's widest block), so the cuda backend may use
-    // short splits for them; wider calls (prefill chunks) and 0 keep its default splits.
+    // Calls of up to this many query rows lay their key splits out alike (rows that must agree bit
+    // for bit: verify blocks and decode steps; the model's widest block): the cuda backend sizes its
+    // splits for this many rows, not for the call's; wider calls (prefill chunks) and 0 use their own.
     int64_t uniform_rows = 0;
 };
 

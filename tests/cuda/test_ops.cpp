@@ -1180,9 +1180,9 @@ struct AttnShape {
     MaskKind mask;
     bool wrap;  // first_key > 0 and the keys wrap around the ring
     // > 0: a ring of this many slots at least (a deployment's capacity), the key count read from
-    // device memory as graphs read it, so the splits cover the whole ring and most are empty
+    // device memory as graphs read it, so splits past the last key return at once
     int64_t capacity = 0;
-    int64_t uniform_rows = 16;  // PagedKeys::uniform_rows (the engine's verify width); 0: default splits
+    int64_t uniform_rows = 16;  // PagedKeys::uniform_rows (the engine's verify width); 0: the call's rows
 };
 
 // Builds one paged cache on a backend: every slot the keys do not use holds NaN, so a kernel that
@@ -1292,16 +1292,20 @@ void test_attention() {
         run_attention_case(g, {7, 1, 2, 64, 17, MASK_CAUSAL, false});
         return;
     }
-    // A large ring, few keys, the count on the device (as graphs read it): splits capped at 256
-    // keys, most of them empty.
+    // A large ring, few keys, the count on the device (as graphs read it): the splits past the
+    // last key return at once. With 8 kv heads a split reads every 33rd chunk, so contexts of a
+    // few thousand keys give each split several chunks (and partly masked ones).
     auto run_large_ring_cases = [&] {
         run_attention_case(g, {16, 4, 2, 128, 200, MASK_CAUSAL, false, 4096});
         run_attention_case(g, {9, 2, 2, 96, 700, MASK_CAUSAL, false, 8192});  // the non-tensor-core kernel
+        run_attention_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false, 32768});   // 79 chunks, 33 splits
+        run_attention_case(g, {9, 2, 8, 96, 3000, MASK_CAUSAL, true, 8192});       // 94 chunks of 32, 33 splits
         if (g_opt.level < DEFAULT) return;
         run_attention_case(g, {16, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
         run_attention_case(g, {1, 4, 2, 128, 97, MASK_CAUSAL, true, 32768});
         run_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, false, 20000});
-        run_attention_case(g, {33, 4, 2, 64, 3000, MASK_CAUSAL, false, 65536, 64});  // capacity / 64 keys a split
+        run_attention_case(g, {33, 4, 2, 64, 3000, MASK_CAUSAL, false, 65536, 64});  // wide uniform_rows
+        run_attention_case(g, {16, 8, 8, 64, 4100, MASK_CAUSAL_WINDOW, true, 16384});  // 2 query tiles, windowed
         run_attention_case(g, {33, 4, 2, 128, 2000, MASK_CAUSAL, false, 32768, 0});  // default splits
         run_attention_case(g, {96, 2, 2, 256, 500, MASK_CAUSAL, false, 8192});       // wider than uniform_rows
     };

@@ -1,10 +1,10 @@
 // attention.cu: paged attention of a few query rows over a long paged context, split across the
 // keys (flash-decoding style) so a long context still fills the GPU.
 //
-// Grid: (kv head, key split, query tile). A block stages 32 keys of K and V for its kv head in
-// shared memory once and lets every query vector of the tile (query rows x the heads sharing
-// that kv head) consume them: each K/V byte is read from memory once per query tile, not once
-// per query. Lane j scores key j; softmax is online (running max and sum per query vector); each
+// Grid: (kv head, key split, query tile); split s reads the key chunks s, s + splits, ... (plan()).
+// A block stages 32 keys of K and V for its kv head in shared memory once and lets every query
+// vector of the tile (query rows x the heads sharing that kv head) consume them: each K/V byte is
+// read from memory once per query tile, not once per query. Lane j scores key j; softmax is online (running max and sum per query vector); each
 // lane accumulates head_dim/32 output dims. A combine kernel merges the splits.
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
@@ -53,8 +53,7 @@ __device__ __forceinline__ int64_t key_slot(const PagedKeys &keys, int64_t ring)
 __global__ void __launch_bounds__(kWarps * 32)
 attention_split_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                        int n_heads, int n_kv_heads, int hd, int rows_per_tile, float scale,
-                       bool causal, int32_t window, PagedKeys keys, int64_t keys_per_split,
-                       float *out_part, Split *ml_part) {
+                       bool causal, int32_t window, PagedKeys keys, float *out_part, Split *ml_part) {
     pdl_prologue();
     extern __shared__ unsigned char smem_raw[];
     const int group = n_heads / n_kv_heads;
@@ -90,13 +89,13 @@ attention_split_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_posi
         for (int d = 0; d < kDimsPerLane; ++d) o[t][d] = 0.f;
     }
 
-    const int64_t key_begin = int64_t(split) * keys_per_split;
-    const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
-    if (key_begin >= key_end) return;  // past the last key: nothing written, the combine stops before it
+    // This block's chunks: split, split + gridDim.y, ... (see plan()).
+    const int64_t key_end = key_count(keys), stride = int64_t(gridDim.y) * kKeysPerChunk;
+    if (int64_t(split) * kKeysPerChunk >= key_end) return;  // no keys: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * hd;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache);
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache);
-    for (int64_t chunk = key_begin; chunk < key_end; chunk += kKeysPerChunk) {
+    for (int64_t chunk = int64_t(split) * kKeysPerChunk; chunk < key_end; chunk += stride) {
         const int n_keys = int(min(int64_t(kKeysPerChunk), key_end - chunk));
         __syncthreads();  // the previous chunk is consumed
         for (int i = threadIdx.x; i < kKeysPerChunk * hd; i += blockDim.x) {
@@ -184,7 +183,7 @@ template <int HD>
 __global__ void __launch_bounds__(kTcWarps * 32)
 attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                    PagedKeys keys, int64_t keys_per_split, float *out_part, Split *ml_part) {
+                    PagedKeys keys, float *out_part, Split *ml_part) {
     pdl_prologue();
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
@@ -234,15 +233,15 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         for (int i = 0; i < 4; ++i) o[t][i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    const int64_t key_begin = int64_t(split) * keys_per_split;
-    const int64_t key_end = min(key_count(keys), key_begin + keys_per_split);
-    if (key_begin >= key_end) return;  // past the last key: nothing written, the combine stops before it
+    // This block's chunks: split, split + gridDim.y, ... (see plan()).
+    const int64_t key_end = key_count(keys), stride = int64_t(gridDim.y) * kTcKeys;
+    if (int64_t(split) * kTcKeys >= key_end) return;  // no keys: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * HD;
     const bf16 *kc = static_cast<const bf16 *>(keys.k_cache) + int64_t(kv_head) * HD;
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
     constexpr int kVecsPerRow = HD / 8;  // 16-byte pieces per key row
 
-    for (int64_t chunk = key_begin; chunk < key_end; chunk += kTcKeys) {
+    for (int64_t chunk = int64_t(split) * kTcKeys; chunk < key_end; chunk += stride) {
         const int n_keys = int(min(int64_t(kTcKeys), key_end - chunk));
         __syncthreads();  // the previous chunk is consumed
         if (threadIdx.x < kTcKeys) {
@@ -370,17 +369,17 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 
-// One block per (row, head): merges the splits that hold keys (in split order; the splits past
-// the last key wrote nothing) and writes bf16. The split weights exp(m_s - max) are computed once,
+// One block per (row, head): merges the splits that hold keys (in split order; a split whose first
+// chunk lies past the last key wrote nothing) and writes bf16. The split weights exp(m_s - max) are computed once,
 // in parallel, into shared memory; then each thread sums its dims over the splits with independent
 // loads.
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
-                                         PagedKeys keys, int64_t keys_per_split, int nq, int n_heads, int hd,
+                                         PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
     pdl_prologue();
     __shared__ float weight_s[kMaxSplits];
     __shared__ float scratch[32];
-    const int splits = int(min(int64_t(grid_splits), (key_count(keys) + keys_per_split - 1) / keys_per_split));
+    const int splits = int(min(int64_t(grid_splits), (key_count(keys) + chunk_keys - 1) / chunk_keys));
     const int64_t idx = blockIdx.x;  // row * n_heads + head
     const int64_t stride = int64_t(nq) * n_heads;
     float best = -INFINITY;
@@ -405,76 +404,79 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
 
 struct Plan {
     int rows_per_tile, q_tiles, splits;
-    int64_t keys_per_split;
+    int64_t chunk_keys;  // keys per chunk: kKeysPerChunk or kTcKeys
 };
 
-// Split boundaries sit at fixed key indices: multiples of keys_per_split, which depends only on the
-// ring's capacity and the kv head count, never on how many keys or query rows a call has. A query
-// row then sums the same partials in the same order whether it is verified among 16 rows or decoded
-// alone (masked keys and empty splits add exact zeros), so verify logits equal decode logits bit for
-// bit (DESIGN §5) at any context length. At full capacity the splits x kv heads fill the GPU about
-// twice (264 blocks: 132 SMs).
+// Keys are read in chunks (32 keys, 64 on the tensor-core path) at fixed key indices, and chunk c
+// belongs to split c % splits: split s reads chunks s, s + splits, s + 2 splits, ... with one online
+// softmax, and the combine merges the splits in split order. `splits` depends only on the ring's
+// capacity, the kv head count and the widest call that must agree with a decode step
+// (keys.uniform_rows: verify blocks and decode steps; wider calls, prefill chunks, use their own
+// row count), never on how many keys a call has. A query row then sums the same chunks in the same
+// order whether it is verified among 16 rows or decoded alone (its masked keys, whole chunks of
+// them included, change neither its running max nor its sums: exact no-ops), so verify logits
+// equal decode logits bit for bit (DESIGN §5) at any context length.
 //
-// With the key count in device memory (keys.num_keys_device) the grid covers the whole ring, so
-// one recorded graph serves every length; splits past the last key return at once and the combine
-// reads only the splits up to the last key (a row's splits past its own last visible key hold
-// masked keys only and add exact zeros).
+// splits x kv heads x query tiles fill the GPU about twice (264 blocks: 132 SMs) once the context
+// has that many chunks; a short context keeps its chunks in separate splits (a 1024-key context is
+// 16 chunks of 64 keys: 16 splits per kv head, whatever the capacity), a long one gives each split
+// several. The grid, the partials (splits x rows x heads) and the combine are bounded by that fill,
+// not by the ring: with the key count in device memory (keys.num_keys_device, graphs) a split
+// whose first chunk lies past the last key returns at once and the combine reads only the splits
+// up to the last key, so one recorded graph serves every length.
 //
-// Calls of up to keys.uniform_rows query rows (verify blocks and decode steps, whose rows must
-// agree bit for bit: the split depends on that model constant, not on the call's nq) split at most
-// kMaxKeysPerSplit keys while the ring holds at most min(128, 4096 / uniform_rows) such splits
-// (partials of uniform_rows x splits vectors: 33 MB of scratch at 16 rows and 32 heads of 128):
-// with a deployment's capacity (say 32768) the fill-twice rule alone gives 1024-key splits, so a
-// context of 1024 keys would sit in one split per kv head, read by 8 blocks of the 132 SMs'
-// slots. Wider calls (prefill chunks) keep the fill rule: their query tiles fill the GPU.
-constexpr int64_t kMaxKeysPerSplit = 256;
+// DFLASH_ATTN_FILL=N (read once) aims at N blocks instead of 264: a test forces few splits, so each
+// split reads many chunks at short contexts.
+int64_t fill_blocks() {
+    static const int64_t blocks = [] {
+        const char *v = std::getenv("DFLASH_ATTN_FILL");
+        const long n = v ? std::strtol(v, nullptr, 10) : 0;
+        return n > 0 ? int64_t(n) : int64_t(264);
+    }();
+    return blocks;
+}
 
-int64_t keys_per_split(int64_t capacity, int64_t n_kv_heads, int64_t granule, int64_t nq,
-                       int64_t uniform_rows) {
-    const int64_t want = std::max<int64_t>(1, (264 + n_kv_heads - 1) / n_kv_heads);
-    const int64_t granules = std::max<int64_t>(1, (capacity + granule - 1) / granule);
-    const int64_t fill = (granules + want - 1) / want * granule;
-    // DFLASH_ATTN_SHORT_SPLITS=0: the fill rule for every call
-    static const bool short_splits = env_switch_on("DFLASH_ATTN_SHORT_SPLITS");
-    if (!short_splits || uniform_rows <= 0 || nq > uniform_rows) return fill;
-    const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(128, 4096 / uniform_rows));
-    const int64_t cap = std::max(kMaxKeysPerSplit, (capacity + max_splits - 1) / max_splits);
-    return std::min(fill, (cap + granule - 1) / granule * granule);
+int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles) {
+    const int64_t blocks_per_split = std::max<int64_t>(1, n_kv_heads * q_tiles);
+    const int64_t want = std::max<int64_t>(1, (fill_blocks() + blocks_per_split - 1) / blocks_per_split);
+    const int64_t chunks = std::max<int64_t>(1, (capacity + chunk_keys - 1) / chunk_keys);
+    return int(std::min(want, chunks));
 }
 
 int64_t capacity(const PagedKeys &keys) { return std::max<int64_t>(keys.ring_slots, keys.num_keys); }
-// The keys the grid's splits span: those of this call, or the whole ring when the count is read on
-// the device.
-int64_t covered(const PagedKeys &keys) { return keys.num_keys_device ? capacity(keys) : keys.num_keys; }
 
-// `span`: the keys the splits cover (covered(keys) for a launch).
-Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys, int64_t span) {
+// The row count that sets the splits: keys.uniform_rows for calls up to that wide, else nq.
+int64_t split_rows(int64_t nq, const PagedKeys &keys) {
+    return keys.uniform_rows > 0 && nq <= keys.uniform_rows ? keys.uniform_rows : nq;
+}
+
+Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
     Plan p;
     const int64_t group = n_heads / n_kv_heads;
     p.rows_per_tile = int(std::max<int64_t>(1, kMaxQueryVectors / group));
     p.q_tiles = int((nq + p.rows_per_tile - 1) / p.rows_per_tile);
-    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kKeysPerChunk, nq, keys.uniform_rows);
-    p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
+    p.chunk_keys = kKeysPerChunk;
+    const int64_t tiles = (split_rows(nq, keys) + p.rows_per_tile - 1) / p.rows_per_tile;
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles);
     return p;
 }
 
-// The tensor-core path: 64 query vectors per block, splits of whole 64-key chunks.
+// The tensor-core path: 64 query vectors per block, chunks of 64 keys.
 bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys, int64_t span) {
+Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
     Plan p;
-    const int64_t vectors = nq * (n_heads / n_kv_heads);
+    const int64_t group = n_heads / n_kv_heads;
     p.rows_per_tile = 0;  // unused: tiles are of query vectors
-    p.q_tiles = int((vectors + kTcVectors - 1) / kTcVectors);
-    p.keys_per_split = keys_per_split(capacity(keys), n_kv_heads, kTcKeys, nq, keys.uniform_rows);
-    p.splits = int((span + p.keys_per_split - 1) / p.keys_per_split);
+    p.q_tiles = int((nq * group + kTcVectors - 1) / kTcVectors);
+    p.chunk_keys = kTcKeys;
+    const int64_t tiles = (split_rows(nq, keys) * group + kTcVectors - 1) / kTcVectors;
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles);
     return p;
 }
 
-Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys,
-              int64_t span) {
-    return use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys, span)
-                            : plan(nq, n_heads, n_kv_heads, keys, span);
+Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
+    return use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys) : plan(nq, n_heads, n_kv_heads, keys);
 }
 
 size_t smem_bytes(int64_t hd) {
@@ -486,9 +488,9 @@ size_t smem_bytes(int64_t hd) {
 
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys) {
-    // Sized for splits over the whole ring whatever this call covers: a context that grows then
-    // never reallocates it (which would make every recorded graph stale).
-    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, capacity(keys));
+    // The splits do not depend on the key count: a context that grows never reallocates the
+    // scratch (which would make every recorded graph stale).
+    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
@@ -508,7 +510,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         fail(DFLASH_STATUS_INTERNAL, "cuda attention: q row stride ", ldq, " (rows of ", n_heads * head_dim,
              "; even)");
     const bool tc = use_tc(head_dim);
-    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys, covered(keys));
+    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);
     if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
@@ -520,11 +522,11 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         if (head_dim == 128)
             launch(attention_tc_kernel<128>, grid, kTcWarps * 32, 0, s,
                 q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
-                mask.window, keys, p.keys_per_split, out_part, ml_part);
+                mask.window, keys, out_part, ml_part);
         else
             launch(attention_tc_kernel<64>, grid, kTcWarps * 32, 0, s,
                 q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
-                mask.window, keys, p.keys_per_split, out_part, ml_part);
+                mask.window, keys, out_part, ml_part);
     } else {
         const size_t smem = smem_bytes(head_dim);
         static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
@@ -537,10 +539,10 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         launch(attention_split_kernel, grid, kWarps * 32, smem, s,
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
-            scale, mask.causal, mask.window, keys, p.keys_per_split, out_part, ml_part);
+            scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
     launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
-        out_part, ml_part, p.splits, keys, p.keys_per_split, int(nq), int(n_heads), int(head_dim), out);
+        out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
 
 }  // namespace cuda
