@@ -77,8 +77,8 @@ struct PagedKeys {
     int64_t first_key = 0;                  // logical index of the first visible key
     int64_t num_keys = 0;
     // Non-null: the key count lives here ([1] int32 device) and the kernels read it there, so a
-    // graph replays at any length; num_keys is then the host's copy (checks), and the key splits
-    // are laid over the whole ring (max(ring_slots, num_keys)), not over num_keys.
+    // graph replays at any length; num_keys is then the host's copy (checks). Nothing the cuda
+    // backend launches depends on the count then (its splits depend on the ring's capacity).
     const int32_t *num_keys_device = nullptr;
     // Calls of up to this many query rows lay their key splits out alike (rows that must agree bit
     // for bit: verify blocks and decode steps; the model's widest block): the cuda backend sizes its

@@ -260,16 +260,20 @@ int32_t Drafter::physical_slot(const DrafterSeq &seq, int64_t logical) const {
            int32_t(ring % DFLASH_KV_BLOCK_SIZE);
 }
 
-// Gives logical slots [first, first+count) their positions (host and device copies) and
-// writes their physical slot ids to slots_out.
+// Gives logical slots [first, first+count) their positions (the host copy; upload_slot_positions
+// sends them to the device) and writes their physical slot ids to slots_out.
 void Drafter::stamp_slots(DrafterSeq &seq, int64_t first, const int32_t *positions,
                           int64_t count, int32_t *slots_out) {
     for (int64_t i = 0; i < count; ++i) {
         slots_out[i] = physical_slot(seq, first + i);
         seq.slot_positions[size_t((first + i) % ring_slots_)] = positions[i];
     }
-    // Upload the touched ring range, in two pieces when it wraps.
-    int64_t start = first % ring_slots_, left = count;
+}
+
+// Uploads the slot positions of logical slots [first, first+count): the touched ring range, in two
+// pieces when it wraps.
+void Drafter::upload_slot_positions(DrafterSeq &seq, int64_t first, int64_t count) {
+    int64_t start = first % ring_slots_, left = std::min<int64_t>(count, ring_slots_);
     while (left > 0) {
         const int64_t n = std::min<int64_t>(left, ring_slots_ - start);
         backend_->upload(seq.slot_positions_dev.as<int32_t>() + start,
@@ -281,17 +285,20 @@ void Drafter::stamp_slots(DrafterSeq &seq, int64_t first, const int32_t *positio
 
 // The incremental context precompute: projects the pending rows (those past the watermark)
 // into every layer's K/V cache with one fc GEMM and one fused K/V GEMM.
-void Drafter::project_pending(DrafterSeq &seq) {
+void Drafter::project_pending(DrafterSeq &seq, bool args_uploaded) {
     const int64_t P = int64_t(seq.pending_positions.size());
     if (P == 0) return;
     ensure_blocks(seq, seq.cached + P);
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nkv = p_.num_kv_heads;
     int32_t *step = step_i32_.as<int32_t>();
     int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
-    std::vector<int32_t> slots(static_cast<size_t>(P));
-    stamp_slots(seq, seq.cached, seq.pending_positions.data(), P, slots.data());
-    backend_->upload(ctx_pos, seq.pending_positions.data(), size_t(P) * sizeof(int32_t));
-    backend_->upload(ctx_slots, slots.data(), size_t(P) * sizeof(int32_t));
+    if (!args_uploaded) {  // positions then slots, one upload
+        std::vector<int32_t> args(size_t(chunk_rows_ + P));
+        std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), args.begin());
+        stamp_slots(seq, seq.cached, seq.pending_positions.data(), P, args.data() + chunk_rows_);
+        upload_slot_positions(seq, seq.cached, P);
+        backend_->upload(ctx_pos, args.data(), args.size() * sizeof(int32_t));
+    }
 
     backend_->gemm(seq.features.get(), P, feature_width_, weight("fc.weight"), ctx_h_.get(), H);
     backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps,
@@ -392,20 +399,29 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
 
     const int64_t pending = int64_t(seq.pending_positions.size());
     ensure_blocks(seq, seq.cached + pending + width);  // all-or-nothing, before any work
-    project_pending(seq);
 
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
     const float eps = p_.rms_norm_eps;
-    // Step arguments, uploaded together: tokens, query positions, noise slots.
-    std::vector<int32_t> args(size_t(3 * gamma_), 0);
+    // Step arguments in one upload, before any kernel (an upload between kernels would stall the
+    // programmatic overlap of the two): tokens, query positions and noise slots of the block,
+    // then the pending context rows' positions and slots; the slot positions of both (one
+    // contiguous ring range) in a second.
+    std::vector<int32_t> args(size_t(3 * gamma_ + (pending ? chunk_rows_ + pending : 0)), 0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
+    if (pending) {
+        int32_t *ctx_pos = args.data() + 3 * gamma_;
+        std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), ctx_pos);
+        stamp_slots(seq, seq.cached, ctx_pos, pending, ctx_pos + chunk_rows_);
+    }
     for (int32_t j = 0; j < width; ++j) {
         tokens[j] = j == 0 ? last_token : p_.mask_token_id;
         q_pos[j] = position + j;
     }
-    stamp_slots(seq, seq.cached, q_pos, width, slots);
+    stamp_slots(seq, seq.cached + pending, q_pos, width, slots);
+    upload_slot_positions(seq, seq.cached, pending + width);
     int32_t *dev = step_i32_.as<int32_t>();
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
+    project_pending(seq, true);
     const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
     int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
 

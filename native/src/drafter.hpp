@@ -110,7 +110,10 @@ private:
     int32_t physical_slot(const DrafterSeq &seq, int64_t logical) const;
     void stamp_slots(DrafterSeq &seq, int64_t first_logical, const int32_t *positions,
                      int64_t count, int32_t *slots_out);
-    void project_pending(DrafterSeq &seq);
+    void upload_slot_positions(DrafterSeq &seq, int64_t first_logical, int64_t count);
+    // args_uploaded: the caller stamped the pending rows' slots and uploaded their positions,
+    // slots and slot positions itself (propose: one upload with its own arguments).
+    void project_pending(DrafterSeq &seq, bool args_uploaded = false);
     void *act(const DeviceBuffer &buffer, int64_t element_offset) const;
 
     std::shared_ptr<Backend> backend_;

@@ -1280,6 +1280,56 @@ void run_attention_case(Group &g, const AttnShape &s) {
           });
 }
 
+// The rows of a verify block against the same rows decoded alone (one query row, the keys up to
+// its own position, the same cache): equal bit for bit (DESIGN §5: verify logits equal decode
+// logits, which the lossless guarantee needs), wherever the row's keys fall in the splits. cuda only
+// (the host reference plays no part).
+void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
+    g.run(cat("rows agree: nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
+              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap" : "",
+              s.capacity ? cat(" capacity ", s.capacity, ", count on device") : ""),
+          [&](Case &c) {
+              const PagedSetup p = make_paged(s, c.rng);
+              const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
+              const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * q_width));
+              const float scale = 1.f / std::sqrt(float(s.head_dim));
+              Backend &be = *C;
+              DeviceBuffer kc = upload_act(be, p.k), vc = upload_act(be, p.v);
+              DeviceBuffer table = upload_vec(be, p.block_table);
+              DeviceBuffer spos = upload_vec(be, p.slot_positions);
+              DeviceBuffer qpos = upload_vec(be, p.q_positions);
+              DeviceBuffer qb = upload_act(be, q);
+              // Rows [row0, row0 + rows) over the first `count` keys.
+              auto run = [&](int64_t row0, int64_t rows, int64_t count) {
+                  const std::vector<int32_t> counts = {int32_t(count)};
+                  DeviceBuffer count_dev = upload_vec(be, counts);
+                  DeviceBuffer out = poisoned(be, size_t(rows * q_width) * act_size(be));
+                  PagedKeys keys;
+                  keys.k_cache = kc.get();
+                  keys.v_cache = vc.get();
+                  keys.block_table = table.as<int32_t>();
+                  keys.slot_positions = spos.as<int32_t>();
+                  keys.block_size = DFLASH_KV_BLOCK_SIZE;
+                  keys.ring_slots = int32_t(p.ring_slots);
+                  keys.first_key = p.first_key;
+                  keys.num_keys = count;
+                  if (s.capacity) keys.num_keys_device = count_dev.as<int32_t>();
+                  keys.uniform_rows = s.uniform_rows;
+                  const char *q_rows = static_cast<const char *>(qb.get()) + size_t(row0 * q_width) * act_size(be);
+                  be.attention(q_rows, q_width, rows, qpos.as<int32_t>() + row0, n_heads, s.n_kv, s.head_dim,
+                               scale, p.mask, keys, out.get());
+                  sync(be);
+                  return download_act(be, out.get(), size_t(rows * q_width));
+              };
+              const std::vector<float> block = run(0, s.nq, s.num_keys);
+              for (int64_t i = 0; i < s.nq; ++i) {
+                  const std::vector<float> alone = run(i, 1, s.num_keys - s.nq + i + 1);
+                  const std::vector<float> in_block(block.begin() + i * q_width, block.begin() + (i + 1) * q_width);
+                  c.equal(cat("row ", i, " decoded alone vs in the block").c_str(), alone, in_block);
+              }
+          });
+}
+
 void test_attention() {
     Group g("attention");
     if (!g.enabled()) return;
@@ -1336,6 +1386,14 @@ void test_attention() {
         run_attention_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false});
     }
     run_large_ring_cases();
+    // Verify rows == decode rows, bit for bit: the tensor-core kernel (head_dim 128 and 64, one and
+    // two query tiles per block), the other kernel, several chunks per split, the count on the
+    // device or not, a window, a wrapped ring.
+    run_attention_rows_agree_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false, 32768});
+    run_attention_rows_agree_case(g, {16, 8, 8, 64, 3000, MASK_CAUSAL, false});
+    run_attention_rows_agree_case(g, {16, 2, 8, 96, 3000, MASK_CAUSAL_WINDOW, true, 8192});
+    run_attention_rows_agree_case(g, {3, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
+    if (g_opt.level >= DEFAULT) run_attention_rows_agree_case(g, {16, 4, 8, 128, 20000, MASK_CAUSAL, true, 32768});
 }
 
 // ----------------------------------------------------------------------------------------------

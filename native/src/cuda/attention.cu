@@ -4,8 +4,9 @@
 // Grid: (kv head, key split, query tile); split s reads the key chunks s, s + splits, ... (plan()).
 // A block stages 32 keys of K and V for its kv head in shared memory once and lets every query
 // vector of the tile (query rows x the heads sharing that kv head) consume them: each K/V byte is
-// read from memory once per query tile, not once per query. Lane j scores key j; softmax is online (running max and sum per query vector); each
-// lane accumulates head_dim/32 output dims. A combine kernel merges the splits.
+// read from memory once per query tile, not once per query. Lane j scores key j; softmax is
+// online (running max and sum per query vector); each lane accumulates head_dim/32 output dims.
+// A combine kernel merges the splits.
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
 #include <cstdlib>
@@ -440,7 +441,7 @@ int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_
     const int64_t blocks_per_split = std::max<int64_t>(1, n_kv_heads * q_tiles);
     const int64_t want = std::max<int64_t>(1, (fill_blocks() + blocks_per_split - 1) / blocks_per_split);
     const int64_t chunks = std::max<int64_t>(1, (capacity + chunk_keys - 1) / chunk_keys);
-    return int(std::min(want, chunks));
+    return int(std::min({want, chunks, int64_t(kMaxSplits)}));
 }
 
 int64_t capacity(const PagedKeys &keys) { return std::max<int64_t>(keys.ring_slots, keys.num_keys); }
