@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <string>
 
 #include "ops.cuh"
 
@@ -297,8 +298,10 @@ template <int KS, Epilogue E, bool TILED, XLoad XL>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
-                   float *logits_out, ArgmaxPartial *partial, int64_t pair) {
-    pdl_launch_dependents();
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger) {
+    // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
+    // could use), or, late_trigger (DFLASH_PDL_TRIGGER=late), once every block is past its k loop.
+    if (!late_trigger) pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     constexpr int S = ring_stages<TILED>();
@@ -406,6 +409,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
+    if (late_trigger) pdl_launch_dependents();
     finish_tile<KS, E>(wt, acc, reinterpret_cast<float *>(smem), M, N, y, ldy, multiplier, softcap,
                        logits_out, partial, pair);
 }
@@ -493,6 +497,16 @@ const DeviceFacts &device_facts() {
 
 // The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
 // (same tiling, same results: an A/B switch for benchmarks).
+// DFLASH_PDL_TRIGGER=late: the ring-fed GEMM lets the next kernel launch after its k loop rather
+// than at its start (an A/B knob for bench.py --variants; read once).
+bool late_pdl_trigger() {
+    static const bool late = [] {
+        const char *v = std::getenv("DFLASH_PDL_TRIGGER");
+        return v && std::string(v) == "late";
+    }();
+    return late;
+}
+
 bool stream_enabled() {
     static const bool on = env_switch_on("DFLASH_GEMM_STREAM");
     return on && device_facts().stream_blocks_per_sm > 0;
@@ -577,7 +591,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                     : gemm_stream_kernel<KS, E, true, XLoad::Element>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
-                   logits_out, partial, pair);
+                   logits_out, partial, pair, late_pdl_trigger());
         } else if constexpr (!kSwiGLU) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
