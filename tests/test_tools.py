@@ -54,3 +54,14 @@ def test_bench_variants_reject_a_bad_setting(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "is not NAME=VALUE" in proc.stdout + proc.stderr
+
+
+def test_bench_prefill_and_long_context_rows(tmp_path):
+    """The prefill row has no goal (compute-bound: JSON null, "-" in the table); the 8k rows count the K/V cache in
+    their floor (above the short rows' floor) and aim at 1.15x it."""
+    report, stdout = _bench(tmp_path, "--rows", "prefill,verify,verify_8k")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["prefill"]["goal_ms"] is None
+    assert "| prefill 8B target, 1024 tokens |" in stdout
+    assert rows["verify_8k"]["bytes"] > rows["verify"]["bytes"]
+    assert rows["verify_8k"]["goal_ms"] == pytest.approx(1.15 * rows["verify_8k"]["floor_ms"])

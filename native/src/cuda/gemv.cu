@@ -139,22 +139,25 @@ struct XRow {
     }
 };
 
-// Where a warp works: grid = (column blocks, ceil(M / 16)); block = kWarps warps; warp = group *
-// KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks.
+// Where a warp works: grid = (ceil(M / 16), column blocks); block = kWarps warps; warp = group *
+// KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks. The row
+// tiles vary fastest, so a column block's row tiles (prefill: M / 16 of them) run side by side and
+// read its weights from DRAM once, the rest from L2 (x fastest is the launch order).
 template <int KS>
 struct WarpTile {
     static constexpr int kGroups = kWarps / KS;
     static constexpr int kCols = kNt * 8;                 // per group
     static constexpr int kBlockCols = kGroups * kCols;
     int lane, warp, group, slice, g, q;
-    int64_t m0, col0, c_begin, c_end;
+    int64_t m0, col_block, col0, c_begin, c_end;
 
     __device__ WarpTile(int64_t K) {
         lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         group = warp / KS, slice = warp % KS;
         g = lane >> 2, q = lane & 3;
-        m0 = int64_t(blockIdx.y) * kTileM;
-        col0 = int64_t(blockIdx.x) * kBlockCols + group * kCols;
+        m0 = int64_t(blockIdx.x) * kTileM;
+        col_block = blockIdx.y;
+        col0 = col_block * kBlockCols + group * kCols;
         const int64_t chunks = (K + kChunk - 1) / kChunk;
         const int64_t per_slice = (chunks + KS - 1) / KS;
         c_begin = slice * per_slice, c_end = min(chunks, c_begin + per_slice);
@@ -200,7 +203,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         float v = at(0, r, cc);
 #pragma unroll
         for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
-        const int64_t m = wt.m0 + r, n = int64_t(blockIdx.x) * kBlockCols + cc;
+        const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
             if (m < M && n < N) y[m * ldy + n] = to_bf16(v);
         } else if constexpr (E == Epilogue::Logits) {
@@ -216,7 +219,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         constexpr int kHalf = kBlockCols / 2;  // gate columns cc, their up columns cc + kHalf
         for (int i = threadIdx.x; i < kTileM * kHalf; i += kWarps * 32) {
             const int r = i / kHalf, cc = i % kHalf;
-            const int64_t m = wt.m0 + r, n = int64_t(blockIdx.x) * kHalf + cc;
+            const int64_t m = wt.m0 + r, n = wt.col_block * kHalf + cc;
             if (m < M && n < pair)
                 y[m * ldy + n] = to_bf16(swiglu_value(to_float(to_bf16(at(0, r, cc))),
                                                       to_float(to_bf16(at(0, r, cc + kHalf)))));
@@ -230,7 +233,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
             if (wt.m0 + r >= M) continue;
             ArgmaxPartial b{-INFINITY, INT32_MAX};
             for (int cc = wt.lane; cc < kBlockCols; cc += 32) {
-                const int64_t n = int64_t(blockIdx.x) * kBlockCols + cc;
+                const int64_t n = wt.col_block * kBlockCols + cc;
                 const float v = at(0, r, cc);
                 if (n < N && (v > b.value || b.index == INT32_MAX)) b = {v, int32_t(n)};
             }
@@ -242,7 +245,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
                     (b.index == INT32_MAX || ov > b.value || (ov == b.value && oi < b.index)))
                     b = {ov, oi};
             }
-            if (wt.lane == 0) partial[(wt.m0 + r) * gridDim.x + blockIdx.x] = b;
+            if (wt.lane == 0) partial[(wt.m0 + r) * gridDim.y + wt.col_block] = b;
         }
     }
 }
@@ -310,7 +313,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if constexpr (E == Epilogue::SwiGLU) {  // groups [0, half): gate columns; [half, 2 half): up columns
         constexpr int kHalf = WarpTile<KS>::kGroups / 2;
         static_assert(kHalf >= 1, "SwiGLU needs two column groups per block (ks <= 4)");
-        const int64_t base = int64_t(blockIdx.x) * kHalf * WarpTile<KS>::kCols;
+        const int64_t base = wt.col_block * kHalf * WarpTile<KS>::kCols;
         wt.col0 = wt.group < kHalf ? base + wt.group * WarpTile<KS>::kCols
                                    : pair + base + (wt.group - kHalf) * WarpTile<KS>::kCols;
     }
@@ -576,7 +579,10 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     if (kSwiGLU && (t.ks == 0 || !(w_tiled || stream)))
         fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: no fused tiling for ", pair, " x ", K);
     const unsigned col_blocks = kSwiGLU ? unsigned(pair / (t.block_cols() / 2)) : t.blocks(N);
-    const dim3 grid(col_blocks, unsigned((M + kTileM - 1) / kTileM));
+    if (col_blocks > 65535u)
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "gemm: ", col_blocks, " column blocks for N = ", N,
+             " (a grid holds 65535)");
+    const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if constexpr (kSwiGLU && KS == 8) {
