@@ -926,6 +926,56 @@ void test_gemm() {
     }
 }
 
+// Rows of a 16-row call (a verify block: whole tiles, plain x loads) against the same rows computed
+// alone (M = 1, a decode step), in a 7-row call and in a 33-row call (three row tiles): equal bit for
+// bit, for gemm and the fused gemm_swiglu, row-major and tiled weights (DESIGN §5: every output row
+// is summed in the same order whatever M is). cuda only.
+void test_gemm_rows_agree() {
+    Group g("gemm_rows");
+    if (!g.enabled()) return;
+    struct Shape { int64_t n, k; bool swiglu; };  // swiglu: n is the intermediate size
+    std::vector<Shape> shapes = {{300, 136, false}, {2056, 1024, false}, {64, 4096, false},
+                                 {640, 136, true},  {1024, 512, true}};
+    if (g_opt.level == SMOKE) shapes = {{300, 136, false}, {640, 136, true}};
+    for (const Shape &sh : shapes)
+        for (bool tiled : {false, true})
+            g.run(cat(sh.swiglu ? "gemm_swiglu inter=" : "gemm N=", sh.n, " K=", sh.k, tiled ? " tiled" : "",
+                      ": M=16 rows vs M=1, 7, 33"),
+                  [&](Case &c) {
+                      Backend &be = *C;
+                      const int64_t w_rows = sh.swiglu ? 2 * sh.n : sh.n, k = sh.k, n = sh.n;
+                      const std::vector<float> x = c.rng.bf16_normal(size_t(33 * k));
+                      const std::vector<float> w =
+                          c.rng.bf16_normal(size_t(w_rows * k), 1.f / std::sqrt(float(k)));
+                      Weight wc = upload_weight(be, w, w_rows, k);
+                      if (tiled) wc = tiled_weight(be, wc);
+                      DeviceBuffer xc = upload_act(be, x);
+                      DeviceBuffer scratch(&be, size_t(33 * w_rows) * act_size(be));
+                      // y rows of x rows [row0, row0 + m)
+                      auto rows = [&](int64_t row0, int64_t m) {
+                          DeviceBuffer y = poisoned(be, size_t(m * n) * act_size(be));
+                          const char *xr = static_cast<const char *>(xc.get()) + size_t(row0 * k) * act_size(be);
+                          if (sh.swiglu)
+                              be.gemm_swiglu(xr, m, k, wc.view, n, scratch.get(), y.get());
+                          else
+                              be.gemm(xr, m, k, wc.view, y.get(), n);
+                          sync(be);
+                          return download_act(be, y.get(), size_t(m * n));
+                      };
+                      const std::vector<float> block = rows(0, 16);
+                      auto row_of = [&](const std::vector<float> &all, int64_t r) {
+                          return std::vector<float>(all.begin() + r * n, all.begin() + (r + 1) * n);
+                      };
+                      for (int64_t r : {int64_t(0), int64_t(5), int64_t(15)})
+                          c.equal(cat("row ", r, " alone").c_str(), rows(r, 1), row_of(block, r));
+                      const std::vector<float> seven = rows(0, 7), wide = rows(0, 33);
+                      for (int64_t r = 0; r < 7; ++r)
+                          c.equal(cat("row ", r, " of 7").c_str(), row_of(seven, r), row_of(block, r));
+                      for (int64_t r = 0; r < 16; ++r)
+                          c.equal(cat("row ", r, " of 33").c_str(), row_of(wide, r), row_of(block, r));
+                  });
+}
+
 // The fused GEMM + SwiGLU (the MLP's gate_up and its activation) against the host's gemm then swiglu.
 // On the H200 (264 / 396 block slots): 64 x 64 fuses with ks 1, 640 x 136 with ks 1 and a partial
 // last chunk, 608 x 200 with ks 2 (K % 64 = 8), 1024 x 512 and 3072 x 1024 with ks 4; 64 x 100
@@ -1932,6 +1982,7 @@ int main(int argc, char **argv) {
     test_add_rms_norm();
     test_head_norm_rope();
     test_gemm();
+    test_gemm_rows_agree();
     test_gemm_swiglu();
     test_rope();
     test_kv_write();
