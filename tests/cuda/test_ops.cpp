@@ -1287,10 +1287,37 @@ PagedSetup make_paged(const AttnShape &s, Rng &rng) {
     return p;
 }
 
+// A PagedSetup's buffers on one backend, and PagedKeys over its first `count` keys (the count also
+// in device memory, as graphs read it, when count_dev is given).
+struct PagedBuffers {
+    DeviceBuffer k, v, table, spos, qpos;
+    PagedBuffers(Backend &be, const PagedSetup &p)
+        : k(upload_act(be, p.k)), v(upload_act(be, p.v)), table(upload_vec(be, p.block_table)),
+          spos(upload_vec(be, p.slot_positions)), qpos(upload_vec(be, p.q_positions)) {}
+    PagedKeys keys(const PagedSetup &p, int64_t count, const int32_t *count_dev, int64_t uniform_rows) const {
+        PagedKeys keys;
+        keys.k_cache = k.get();
+        keys.v_cache = v.get();
+        keys.block_table = table.as<int32_t>();
+        keys.slot_positions = spos.as<int32_t>();
+        keys.block_size = DFLASH_KV_BLOCK_SIZE;
+        keys.ring_slots = int32_t(p.ring_slots);
+        keys.first_key = p.first_key;
+        keys.num_keys = count;
+        keys.num_keys_device = count_dev;
+        keys.uniform_rows = uniform_rows;
+        return keys;
+    }
+};
+
+std::string attn_desc(const AttnShape &s, const char *wrap) {
+    return cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim, " keys=", s.num_keys,
+               " mask=", mask_name(s.mask), s.wrap ? wrap : "",
+               s.capacity ? cat(" capacity ", s.capacity, ", count on device") : "");
+}
+
 void run_attention_case(Group &g, const AttnShape &s) {
-    g.run(cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
-              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap, q/k/v rows" : "",
-              s.capacity ? cat(" capacity ", s.capacity, ", count on device") : ""),
+    g.run(attn_desc(s, " ring-wrap, q/k/v rows"),
           [&](Case &c) {
               const PagedSetup p = make_paged(s, c.rng);
               const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
@@ -1302,26 +1329,14 @@ void run_attention_case(Group &g, const AttnShape &s) {
               std::vector<float> outs[2];
               for (int b = 0; b < 2; ++b) {
                   Backend &be = b ? *C : *H;
-                  DeviceBuffer kc = upload_act(be, p.k), vc = upload_act(be, p.v);
-                  DeviceBuffer table = upload_vec(be, p.block_table);
-                  DeviceBuffer spos = upload_vec(be, p.slot_positions);
-                  DeviceBuffer qpos = upload_vec(be, p.q_positions);
+                  const PagedBuffers bufs(be, p);
                   DeviceBuffer qb = upload_act(be, q);
                   const std::vector<int32_t> count = {int32_t(s.num_keys)};
                   DeviceBuffer count_dev = upload_vec(be, count);
                   DeviceBuffer out = poisoned(be, out_count * act_size(be));
-                  PagedKeys keys;
-                  keys.k_cache = kc.get();
-                  keys.v_cache = vc.get();
-                  keys.block_table = table.as<int32_t>();
-                  keys.slot_positions = spos.as<int32_t>();
-                  keys.block_size = DFLASH_KV_BLOCK_SIZE;
-                  keys.ring_slots = int32_t(p.ring_slots);
-                  keys.first_key = p.first_key;
-                  keys.num_keys = s.num_keys;
-                  if (s.capacity) keys.num_keys_device = count_dev.as<int32_t>();
-                  keys.uniform_rows = s.uniform_rows;
-                  be.attention(qb.get(), ldq, s.nq, qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
+                  const PagedKeys keys =
+                      bufs.keys(p, s.num_keys, s.capacity ? count_dev.as<int32_t>() : nullptr, s.uniform_rows);
+                  be.attention(qb.get(), ldq, s.nq, bufs.qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
                                p.mask, keys, out.get());
                   sync(be);
                   outs[b] = download_act(be, out.get(), out_count);
@@ -1335,38 +1350,24 @@ void run_attention_case(Group &g, const AttnShape &s) {
 // logits, which the lossless guarantee needs), wherever the row's keys fall in the splits. cuda only
 // (the host reference plays no part).
 void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
-    g.run(cat("rows agree: nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim,
-              " keys=", s.num_keys, " mask=", mask_name(s.mask), s.wrap ? " ring-wrap" : "",
-              s.capacity ? cat(" capacity ", s.capacity, ", count on device") : ""),
+    g.run("rows agree: " + attn_desc(s, " ring-wrap"),
           [&](Case &c) {
               const PagedSetup p = make_paged(s, c.rng);
               const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
               const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * q_width));
               const float scale = 1.f / std::sqrt(float(s.head_dim));
               Backend &be = *C;
-              DeviceBuffer kc = upload_act(be, p.k), vc = upload_act(be, p.v);
-              DeviceBuffer table = upload_vec(be, p.block_table);
-              DeviceBuffer spos = upload_vec(be, p.slot_positions);
-              DeviceBuffer qpos = upload_vec(be, p.q_positions);
+              const PagedBuffers bufs(be, p);
               DeviceBuffer qb = upload_act(be, q);
               // Rows [row0, row0 + rows) over the first `count` keys.
               auto run = [&](int64_t row0, int64_t rows, int64_t count) {
                   const std::vector<int32_t> counts = {int32_t(count)};
                   DeviceBuffer count_dev = upload_vec(be, counts);
                   DeviceBuffer out = poisoned(be, size_t(rows * q_width) * act_size(be));
-                  PagedKeys keys;
-                  keys.k_cache = kc.get();
-                  keys.v_cache = vc.get();
-                  keys.block_table = table.as<int32_t>();
-                  keys.slot_positions = spos.as<int32_t>();
-                  keys.block_size = DFLASH_KV_BLOCK_SIZE;
-                  keys.ring_slots = int32_t(p.ring_slots);
-                  keys.first_key = p.first_key;
-                  keys.num_keys = count;
-                  if (s.capacity) keys.num_keys_device = count_dev.as<int32_t>();
-                  keys.uniform_rows = s.uniform_rows;
+                  const PagedKeys keys =
+                      bufs.keys(p, count, s.capacity ? count_dev.as<int32_t>() : nullptr, s.uniform_rows);
                   const char *q_rows = static_cast<const char *>(qb.get()) + size_t(row0 * q_width) * act_size(be);
-                  be.attention(q_rows, q_width, rows, qpos.as<int32_t>() + row0, n_heads, s.n_kv, s.head_dim,
+                  be.attention(q_rows, q_width, rows, bufs.qpos.as<int32_t>() + row0, n_heads, s.n_kv, s.head_dim,
                                scale, p.mask, keys, out.get());
                   sync(be);
                   return download_act(be, out.get(), size_t(rows * q_width));
