@@ -431,9 +431,14 @@ struct Plan {
 int64_t fill_blocks() {
     static const int64_t blocks = [] {
         const char *v = std::getenv("DFLASH_ATTN_FILL");
-        const long n = v ? std::strtol(v, nullptr, 10) : 0;
-        return n > 0 ? int64_t(n) : int64_t(264);
+        if (!v || !*v) return int64_t(264);
+        char *end = nullptr;
+        const long n = std::strtol(v, &end, 10);
+        return *end == '\0' && n > 0 && n <= 1 << 20 ? int64_t(n) : int64_t(-1);
     }();
+    if (blocks < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_FILL=", std::getenv("DFLASH_ATTN_FILL"),
+             " is not a block count (1 to 1048576)");
     return blocks;
 }
 

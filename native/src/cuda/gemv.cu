@@ -503,11 +503,15 @@ const DeviceFacts &device_facts() {
 // DFLASH_PDL_TRIGGER=late: the ring-fed GEMM lets the next kernel launch after its k loop rather
 // than at its start (an A/B knob for bench.py --variants; read once).
 bool late_pdl_trigger() {
-    static const bool late = [] {
+    static const int late = [] {  // 1 late, 0 early, -1 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
-        return v && std::string(v) == "late";
+        if (!v || !*v || std::string(v) == "early") return 0;
+        return std::string(v) == "late" ? 1 : -1;
     }();
-    return late;
+    if (late < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
+             " (early or late)");
+    return late == 1;
 }
 
 bool stream_enabled() {
