@@ -971,8 +971,11 @@ void test_gemm_rows_agree() {
                       const std::vector<float> seven = rows(0, 7), wide = rows(0, 33);
                       for (int64_t r = 0; r < 7; ++r)
                           c.equal(cat("row ", r, " of 7").c_str(), row_of(seven, r), row_of(block, r));
-                      for (int64_t r = 0; r < 16; ++r)
+                      const std::vector<float> block2 = rows(16, 16);  // rows 16..31: the 33-row call's second tile
+                      for (int64_t r = 0; r < 16; ++r) {
                           c.equal(cat("row ", r, " of 33").c_str(), row_of(wide, r), row_of(block, r));
+                          c.equal(cat("row ", 16 + r, " of 33").c_str(), row_of(wide, 16 + r), row_of(block2, r));
+                      }
                   });
 }
 
@@ -1537,7 +1540,8 @@ std::vector<LogitShape> logit_shapes() {
     if (g_opt.level == SMOKE) return {{3, 1000, 256, 1.f, 0.f}, {2, 151936, 64, 0.7f, 30.f}};
     std::vector<LogitShape> s = {{1, 1000, 64, 1.f, 0.f},      {2, 1000, 256, 0.7f, 0.f},
                                  {7, 1000, 1024, 1.f, 30.f},   {16, 1000, 4096, 0.5f, 0.f},
-                                 {1, 151936, 256, 1.f, 0.f},   {5, 151936, 128, 1.f, 30.f}};
+                                 {1, 151936, 256, 1.f, 0.f},   {5, 151936, 128, 1.f, 30.f},
+                                 {33, 1000, 256, 1.f, 0.f}};  // three row tiles (argmax partials of m0 > 0)
     if (g_opt.level >= DEFAULT) {
         s.push_back({16, 151936, 256, 0.8f, 0.f});
         s.push_back({1, 8192, 4096, 1.f, 0.f});
