@@ -29,7 +29,7 @@ def main(argv=None):
               ("pydflash, start", "session_start_ms", "#9ec3e6"), ("reference", "reference_ms", "#d9822b")]
     x = np.arange(len(rows))
     width = 0.16
-    fig, ax = plt.subplots(figsize=(11, 4.8))
+    fig, ax = plt.subplots(figsize=(max(11, 1.45 * len(rows) + 1), 5.2))
     for i, (label, key, color) in enumerate(series):
         values = [r.get(key) or np.nan for r in rows]
         bars = ax.bar(x + (i - 2) * width, values, width, label=label, color=color)
@@ -38,6 +38,7 @@ def main(argv=None):
                 ax.annotate(f"{r['pydflash_ms'] / r['floor_ms']:.2f}x floor", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
     ax.set_yscale("log")
+    ax.margins(y=0.25)  # room for the ratio labels over the tallest bars
     ax.set_ylabel("ms per step (log)")
     ax.set_xticks(x, [r["title"].replace(", ", ",\n") for r in rows], fontsize=8)
     ax.set_title(f"{data['device']}: batch 1, bf16, random weights at real shapes")
