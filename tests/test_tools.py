@@ -62,6 +62,23 @@ def test_bench_prefill_and_long_context_rows(tmp_path):
     report, stdout = _bench(tmp_path, "--rows", "prefill,verify,verify_8k")
     rows = {r["row"]: r for r in report["rows"]}
     assert rows["prefill"]["goal_ms"] is None
+    pre = rows["prefill"]  # compute-bound: its floor is the larger of the FLOPs at peak and the weights read once
+    assert pre["compute_floor_ms"] > 0 and pre["bandwidth_floor_ms"] > 0
+    assert pre["floor_ms"] == pytest.approx(max(pre["compute_floor_ms"], pre["bandwidth_floor_ms"]))
     assert "| prefill 8B target, 1024 tokens |" in stdout
     assert rows["verify_8k"]["bytes"] > rows["verify"]["bytes"]
     assert rows["verify_8k"]["goal_ms"] == pytest.approx(1.15 * rows["verify_8k"]["floor_ms"])
+
+
+def test_prefill_flops_counts_gemms_attention_and_one_lm_head_row():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import importlib
+        bench = importlib.import_module("bench")
+    finally:
+        sys.path.pop(0)
+    base = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                vocab_size=10)
+    # per row and layer: q/k/v 8 x (2 + 2) x 4 = 128, o 2 x 4 x 8 = 64, MLP 3 x 8 x 16 = 384 multiply-adds;
+    # attention: rows 1 + 2 + 3 keys x 2 heads x 4 dims x 2 (q.k and p.v) = 96; lm_head 10 x 8 = 80
+    assert bench.prefill_flops(base, 2, 3) == 2 * (2 * ((128 + 64 + 384) * 3 + 96) + 80)

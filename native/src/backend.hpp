@@ -86,6 +86,13 @@ struct PagedKeys {
     int64_t uniform_rows = 0;
 };
 
+// What a GEMM's rows must agree with (DESIGN §5). Uniform: each row gets the same bits as the same
+// row in a call of any other row count (verify blocks, decode steps, the drafter's blocks and
+// context rows), which is what keeps speculative output equal to autoregressive output. Wide: rows
+// no narrower call must reproduce (the target's prefill chunks), so a backend may take a
+// throughput kernel whose sums run in another order.
+enum class GemmRows { Uniform, Wide };
+
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.
 class Graph {
@@ -142,9 +149,9 @@ public:
     // rows are ld_x / ld_y elements apart. y may alias x.
     virtual void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
                           WeightView w, float eps, void *y, int64_t ld_y) = 0;
-    // y[m, w.rows] = x[m, w.cols] @ w^T.  Row strides ldx, ldy (elements).
-    virtual void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y,
-                      int64_t ldy) = 0;
+    // y[m, w.rows] = x[m, w.cols] @ w^T.  Row strides ldx, ldy (elements). rows: see GemmRows.
+    virtual void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy,
+                      GemmRows rows = GemmRows::Uniform) = 0;
     // In-place rotate-half RoPE of x[rows, heads, head_dim] (row stride ld) at positions[rows]
     // (device); cos/sin = cos/sin(pos * inv_freq[head_dim/2]) * attention_factor.
     virtual void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -203,8 +210,8 @@ public:
     // gemm into gate_up_scratch ([m, 2 * inter]), then swiglu; a backend may fuse the two (same
     // roundings), and then leaves the scratch unused.
     virtual void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
-                             void *gate_up_scratch, void *out) {
-        gemm(x, m, ldx, gate_up, gate_up_scratch, 2 * inter);
+                             void *gate_up_scratch, void *out, GemmRows rows = GemmRows::Uniform) {
+        gemm(x, m, ldx, gate_up, gate_up_scratch, 2 * inter, rows);
         swiglu(gate_up_scratch, m, inter, out);
     }
     // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.

@@ -246,6 +246,8 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                 backend_->copy_rows(rows, H, n, H, act(capture_, idx * H), F);
     };
 
+    // A prefill chunk's rows agree with no narrower call's: the backend may take its wide GEMM.
+    const GemmRows gemm_rows = n > p_.max_verify_rows ? GemmRows::Wide : GemmRows::Uniform;
     auto ops = [&] {
         backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
@@ -254,7 +256,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
-            backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq);
+            backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows);
             backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
                                           qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
@@ -264,11 +266,11 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
             keys.v_cache = v_cache_[size_t(l)].get();
             backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                                 AttentionMask{true, 0}, keys, attn_.get());
-            backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H);
+            backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H, gemm_rows);
             backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
             backend_->gemm_swiglu(xn_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                  mlp_.get());
-            backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H);
+                                  mlp_.get(), gemm_rows);
+            backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H, gemm_rows);
             const bool last = l + 1 == p_.num_layers;
             backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
                                    last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm,

@@ -21,6 +21,7 @@
 // product (nq x GQA x head_dim x keys x mask x wrap). A failure prints the case, its seed, and
 // the command that reruns it. --self-test checks the harness itself on a machine without a GPU
 // (see EmulatedBf16Backend). The seed also comes from $DFLASH_TEST_SEED.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,6 +42,15 @@
 #include "backend.hpp"
 #include "common.hpp"
 #include "philox.hpp"
+
+// From native/src/cuda/ops.cuh (a CUDA header): whether a GemmRows::Wide call takes the wide GEMM, so
+// the gemm_wide cases know they ran it.
+namespace dflash {
+namespace cuda {
+bool gemm_wide_fits(const __nv_bfloat16 *x, int64_t M, int64_t ldx, const __nv_bfloat16 *w, bool w_tiled,
+                    int64_t K);
+}  // namespace cuda
+}  // namespace dflash
 
 namespace {
 
@@ -491,7 +501,7 @@ public:
     }
     // The tiled GEMM layout (backend.hpp): the host backend tiles and reads tiled views itself.
     void tile_gemm_weight(const WeightView &src, void *dst) override { h_->tile_gemm_weight(src, dst); }
-    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows) override {
         std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
         std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
         h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy);
@@ -1022,6 +1032,87 @@ void test_gemm_swiglu() {
                                   kTolBf16);
                       });
             }
+}
+
+// The wide GEMM (GemmRows::Wide: prefill chunks) and its fused SwiGLU against the host's gemm (and
+// swiglu): rows past one 64-row tile and short of the next, N past a 128-column block, K short of a
+// 64-wide step, padded strides, sliced and tiled weights, inter not a multiple of 64. Every case but
+// the last two takes the wide kernel (checked: gemm_wide_fits); M = 40 (too few rows) and K = 100
+// (K % 8 != 0, tiled) fall back to the small-M kernels.
+void test_gemm_wide() {
+    Group g("gemm_wide");
+    if (!g.enabled()) return;
+    struct Shape { int64_t m, n, k, pad_x, pad_y; bool swiglu, wide; };  // swiglu: n is the intermediate size
+    std::vector<Shape> shapes = {
+        {64, 128, 64, 0, 0, false, true},     {100, 300, 136, 8, 0, false, true},
+        {256, 1000, 512, 0, 8, false, true},  {257, 136, 1000, 64, 0, false, true},
+        {48, 2056, 1024, 0, 0, false, true},  {130, 64, 4096, 0, 0, false, true},
+        {64, 64, 64, 0, 0, true, true},       {100, 640, 136, 8, 0, true, true},
+        {257, 608, 200, 0, 0, true, true},    {256, 100, 512, 0, 0, true, true},
+        {40, 300, 136, 0, 0, false, false},   {64, 64, 100, 0, 0, true, false}};
+    if (g_opt.level <= QUICK)
+        shapes = {{100, 300, 136, 8, 0, false, true}, {257, 608, 200, 0, 0, true, true},
+                  {256, 100, 512, 0, 0, true, true}};
+    int idx = 0;
+    for (const Shape &sh : shapes)
+        for (bool tiled : {false, true}) {
+            if (!tiled && sh.k % 8 != 0) continue;  // row-major weights need 16-byte rows for either kernel's fused path
+            const int64_t slice_first = !sh.swiglu && idx++ % 3 == 2 ? (tiled ? kTileRows : 5) : 0;
+            g.run(cat(sh.swiglu ? "gemm_swiglu M=" : "gemm M=", sh.m, sh.swiglu ? " inter=" : " N=", sh.n, " K=", sh.k,
+                      sh.pad_x ? cat(" ldx=+", sh.pad_x) : "", sh.pad_y ? cat(" ldy=+", sh.pad_y) : "",
+                      slice_first ? cat(" rows from ", slice_first) : "", tiled ? " tiled" : "",
+                      sh.wide ? "" : " (small-M kernel)"),
+                  [&](Case &c) {
+                      const int64_t m = sh.m, k = sh.k, ldx = k + sh.pad_x;
+                      const int64_t out_cols = sh.n, w_rows = sh.swiglu ? 2 * sh.n : sh.n;
+                      const int64_t ldy = out_cols + sh.pad_y, stored_rows = w_rows + slice_first + (sh.swiglu ? 0 : 3);
+                      const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
+                      const std::vector<float> w =
+                          c.rng.bf16_normal(size_t(stored_rows * k), 1.f / std::sqrt(float(k)));
+                      Weight w_h = upload_weight(*H, w, stored_rows, k), w_c = upload_weight(*C, w, stored_rows, k);
+                      if (tiled) w_c = tiled_weight(*C, w_c);
+                      const WeightView v_h = w_h.view.slice_rows(slice_first, w_rows);
+                      const WeightView v_c = w_c.view.slice_rows(slice_first, w_rows);
+                      DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                      const size_t total = size_t(m * ldy);
+                      DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
+                      DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
+                      const bool fits = cuda::gemm_wide_fits(static_cast<const __nv_bfloat16 *>(x_c.get()), m, ldx,
+                                                             static_cast<const __nv_bfloat16 *>(v_c.data), tiled, k);
+                      c.check(fits == sh.wide, cat("gemm_wide_fits says ", fits, ", the case expects ", sh.wide));
+                      if (sh.swiglu) {
+                          DeviceBuffer s_h(H, size_t(m * w_rows) * act_size(*H));
+                          DeviceBuffer s_c(C, size_t(m * w_rows) * act_size(*C));
+                          H->gemm_swiglu(x_h.get(), m, ldx, v_h, sh.n, s_h.get(), y_h.get());
+                          // ldy: the wide kernel's store takes any output stride; the backend passes inter
+                          C->gemm_swiglu(x_c.get(), m, ldx, v_c, sh.n, s_c.get(), y_c.get(), GemmRows::Wide);
+                      } else {
+                          H->gemm(x_h.get(), m, ldx, v_h, y_h.get(), ldy);
+                          C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy, GemmRows::Wide);
+                      }
+                      sync(*C);
+                      const int64_t ld_out = sh.swiglu ? sh.n : ldy;
+                      const std::vector<uint8_t> raw_c = download_bytes(*C, y_c.get(), total * act_size(*C));
+                      const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
+                      const std::vector<float> all_h = download_act(*H, y_h.get(), total);
+                      std::vector<float> got, ref;
+                      int64_t pad_changed = 0;
+                      for (int64_t r = 0; r < m; ++r)
+                          for (int64_t col = 0; col < ld_out; ++col) {
+                              const size_t i = size_t(r * ld_out + col);
+                              if (col < out_cols) {
+                                  got.push_back(all_c[i]);
+                                  ref.push_back(all_h[i]);
+                              } else if (!still_poisoned(raw_c, act_size(*C), i)) {
+                                  ++pad_changed;
+                              }
+                          }
+                      for (size_t i = size_t(m * ld_out); i < total; ++i)  // past the last row
+                          if (!still_poisoned(raw_c, act_size(*C), i)) ++pad_changed;
+                      c.close("y", got, ref, kTolBf16);
+                      c.check(pad_changed == 0, cat(pad_changed, " element(s) outside the output written"));
+                  });
+        }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1989,6 +2080,7 @@ int main(int argc, char **argv) {
     test_gemm();
     test_gemm_rows_agree();
     test_gemm_swiglu();
+    test_gemm_wide();
     test_rope();
     test_kv_write();
     test_qkv_norm_rope_write();

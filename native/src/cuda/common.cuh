@@ -115,6 +115,19 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], uint32_t a0, uint32_t
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// 16 bytes global -> shared, bypassing L1 (cp.async.cg); zero-filled (nothing read) when !valid. Only
+// for weights or for what pdl_wait has made visible: the copy is an ordinary (coherent) L2 read.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Programmatic dependent launch (sm_90+, on by default; DFLASH_PDL=0 turns it off; measured on the
 // H200: propose 4-6% and decode 4% faster, verify the same): kernels are launched with programmatic
 // stream serialization, so the next kernel's blocks may be scheduled while this one drains. Each

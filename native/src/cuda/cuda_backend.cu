@@ -138,9 +138,18 @@ public:
         cuda::rms_norm(as_bf16(x), rows, groups, dim, ld_x, weight_data(w, "rms_norm"), eps,
                        as_bf16(y), ld_y, stream_);
     }
-    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy) override {
-        cuda::gemm(as_bf16(x), m, ldx, weight_data(w, "gemm", true), w.tiled, w.rows, w.cols, as_bf16(y),
-                   ldy, stream_);
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows) override {
+        const bf16 *wd = weight_data(w, "gemm", true);
+        if (wide(rows) && cuda::gemm_wide_fits(as_bf16(x), m, ldx, wd, w.tiled, w.cols))
+            cuda::gemm_wide(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
+        else
+            cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
+    }
+    // GemmRows::Wide calls take the wide GEMM (gemm_wide.cu) where it fits; DFLASH_GEMM_WIDE=0 keeps
+    // them on the small-M kernels (an A/B switch).
+    static bool wide(GemmRows rows) {
+        static const bool on = env_switch_on("DFLASH_GEMM_WIDE");
+        return on && rows == GemmRows::Wide;
     }
     // On by default (measured on the H200: decode 8% faster, verify and propose the same or faster);
     // DFLASH_GEMM_TILED=0 keeps row-major weights (an A/B switch).
@@ -174,15 +183,20 @@ public:
                            as_bf16(y), stream_);
     }
     void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
-                     void *gate_up_scratch, void *out) override {
+                     void *gate_up_scratch, void *out, GemmRows rows) override {
         if (gate_up.rows != 2 * inter)
             fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ",
                  inter);
         static const bool fused = env_switch_on("DFLASH_FUSED_SWIGLU");
         const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
+        if (fused && wide(rows) && cuda::gemm_wide_fits(as_bf16(x), m, ldx, w, gate_up.tiled, gate_up.cols)) {
+            cuda::gemm_wide_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
+                                   stream_);
+            return;
+        }
         if (!fused || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out),
                                          inter, stream_))
-            Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out);
+            Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out, rows);
     }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, const WeightView *q_norm,

@@ -60,18 +60,6 @@ __host__ __device__ constexpr int ring_stages() { return TILED ? kTiledStages : 
 constexpr int kRowBytes = kChunk * 2 + 16;          // a ring row: one chunk + 16 bytes (no bank conflicts)
 constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
 
-// 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 __device__ __forceinline__ float finish_logit(float v, float multiplier, float softcap) {
     v *= multiplier;
     if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
@@ -500,18 +488,22 @@ const DeviceFacts &device_facts() {
 
 // The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
 // (same tiling, same results: an A/B switch for benchmarks).
-// DFLASH_PDL_TRIGGER=late: the ring-fed GEMM lets the next kernel launch after its k loop rather
-// than at its start (an A/B knob for bench.py --variants; read once).
-bool late_pdl_trigger() {
-    static const int late = [] {  // 1 late, 0 early, -1 a bad value
+// When the ring-fed GEMM lets the next kernel launch: at its start (early) or once every block is past
+// its k loop (late), so early dependents take no slots from its later blocks. DFLASH_PDL_TRIGGER=early
+// or late forces one; the default (auto) is late for calls of more than one row and early for one
+// (measured on the H200, session 12: late made verify and propose about 2% faster, decode 2% slower).
+// A function of M alone, so a row's sums do not depend on it. Read once.
+bool late_pdl_trigger(int64_t M) {
+    static const int mode = [] {  // 0 auto, 1 early, 2 late, -1 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
-        if (!v || !*v || std::string(v) == "early") return 0;
-        return std::string(v) == "late" ? 1 : -1;
+        if (!v || !*v || std::string(v) == "auto") return 0;
+        if (std::string(v) == "early") return 1;
+        return std::string(v) == "late" ? 2 : -1;
     }();
-    if (late < 0)
+    if (mode < 0)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
-             " (early or late)");
-    return late == 1;
+             " (auto, early or late)");
+    return mode == 2 || (mode == 0 && M > 1);
 }
 
 bool stream_enabled() {
@@ -601,7 +593,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                     : gemm_stream_kernel<KS, E, true, XLoad::Element>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
-                   logits_out, partial, pair, late_pdl_trigger());
+                   logits_out, partial, pair, late_pdl_trigger(M));
         } else if constexpr (!kSwiGLU) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);

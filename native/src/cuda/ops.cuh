@@ -62,6 +62,17 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 // no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run.
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
                  bf16 *out, int64_t ldo, cudaStream_t s);
+// gemm_wide.cu: the wide GEMM, for GemmRows::Wide calls (prefill chunks): 64 x 128 tiles of mma
+// fed through shared memory, its sums ordered unlike the small-M family's (so never for rows that
+// must agree with narrower calls). gemm_wide_fits: whether it takes the call (at least
+// kWideMinRows rows, where it beats the small-M kernels; x 16-byte vectorizable, K % 8 == 0;
+// row-major w 16-byte aligned). Then the same contracts as gemm and gemm_swiglu (any inter).
+constexpr int64_t kWideMinRows = 48;
+bool gemm_wide_fits(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K);
+void gemm_wide(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K, bf16 *y,
+               int64_t ldy, cudaStream_t s);
+void gemm_wide_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter,
+                      int64_t K, bf16 *out, int64_t ldo, cudaStream_t s);
 // logits[m, V] fp32 = softcap(x . lm_head^T * multiplier)
 void logits(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_t V, int64_t K,
             float multiplier, float softcap, float *out, cudaStream_t s);
