@@ -312,7 +312,8 @@ def bench_prefill(stream, pool, iters):
     after each run. Its floor is the larger of the weights read once and the FLOPs at the tensor cores' peak
     (PEAK_BF16_FLOPS): prefill is compute-bound (no goal)."""
     ctx = CTX["short"]
-    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64, prefill_chunk=256)
+    chunk = int(os.environ.get("BENCH_PREFILL_CHUNK", "256"))  # an A/B knob of this script (--variants)
+    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64, prefill_chunk=chunk)
     seq = target.new_sequence(ctx + 64)
     prompt = np.random.default_rng(3).integers(0, QWEN3_8B["vocab_size"], size=ctx).tolist()
 
