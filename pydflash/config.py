@@ -473,12 +473,14 @@ class TargetConfig:
                 shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         return shapes
 
-    def to_params(self, ffi, lib, *, max_batch=1, max_seq_len=4096, max_verify_rows=16, prefill_chunk=256):
-        """A filled `dflash_target_params *` (cffi-owned)."""
+    def to_params(self, ffi, lib, *, max_batch=1, max_seq_len=4096, max_verify_rows=16, prefill_chunk=None):
+        """A filled `dflash_target_params *` (cffi-owned); prefill_chunk None keeps the library's default."""
         p = ffi.new("dflash_target_params *", lib.dflash_target_default_params())
         p.arch = _ARCH_ORDER.index(self.arch)
         _fill_model_params(p, self)
         p.tie_word_embeddings = int(self.tie_word_embeddings)
         p.max_batch, p.max_seq_len = max_batch, max_seq_len
-        p.max_verify_rows, p.prefill_chunk = max_verify_rows, prefill_chunk
+        p.max_verify_rows = max_verify_rows
+        if prefill_chunk is not None:
+            p.prefill_chunk = prefill_chunk
         return p

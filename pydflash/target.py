@@ -120,17 +120,18 @@ class Target(NativeModel):
 
     @classmethod
     def from_pretrained(cls, target_dir, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
-                        max_verify_rows=16, prefill_chunk=256, stream=None) -> "Target":
+                        max_verify_rows=16, prefill_chunk=None, stream=None) -> "Target":
         """Load a Qwen3ForCausalLM / LlamaForCausalLM checkpoint (HF layout: config.json + model.safetensors or
         sharded with an index). `max_seq_len` bounds one sequence (prompt + output); `max_verify_rows` the widest
-        block a verify takes; `stream` a CUDA stream to enqueue on (None: the library makes one)."""
+        block a verify takes; `prefill_chunk` the prompt rows per forward in prefill (None: the library's default,
+        512); `stream` a CUDA stream to enqueue on (None: the library makes one)."""
         config = TargetConfig.from_json(target_dir)
         return cls._create(config, _gather_tensors(target_dir, config), str(target_dir), backend, device, stream,
                            (max_batch, max_seq_len, max_verify_rows, prefill_chunk))
 
     @classmethod
     def from_tensors(cls, config, tensors, backend="host", device=0, *, max_batch=1, max_seq_len=4096,
-                     max_verify_rows=16, prefill_chunk=256, stream=None) -> "Target":
+                     max_verify_rows=16, prefill_chunk=None, stream=None) -> "Target":
         """A target from weights already in memory: `config` a TargetConfig, a config.json dict or path;
         `tensors` {name: numpy array (float32 / float16 / ml_dtypes bfloat16) or pydflash.Tensor}, named as in
         the checkpoint ("model." prefix optional). The library copies them; the arrays may be dropped after.
@@ -158,6 +159,7 @@ class Target(NativeModel):
                                   max_verify_rows=max_verify_rows, prefill_chunk=prefill_chunk)
         context, handle = create_native(lib, "target", params, tensors,
                                         context_params=context_params(lib, code, device, stream))
+        sizing = (max_batch, max_seq_len, max_verify_rows, int(params.prefill_chunk))  # the chunk in effect
         return cls(lib, context, handle, config, path, str(backend).lower(), device, sizing)
 
     def new_sequence(self, budget_tokens=None) -> TargetSequence:

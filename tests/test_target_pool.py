@@ -391,6 +391,9 @@ def test_prefill_chunking_is_invisible(pair):
                               list(sampled.output_ids))
             assert_pools_full(target, drafter)
     ref = results[256]
+    target, drafter = open_pair(pair)  # no prefill_chunk: the library's default
+    with target, drafter:
+        assert target.prefill_chunk == 512
     for chunk, got in results.items():
         assert got[0] == ref[0] and got[1] == ref[1], f"prefill_chunk {chunk}: tokens/drafts differ"
         for a, b in zip(got[2], ref[2]):

@@ -6,7 +6,8 @@ Rows (issue 5), batch 1, bf16, random weights at real checkpoint shapes (not zer
   propose  Qwen3-4B-DFlash-b16 shapes (H 2560, I 9728), context 1024
   verify   Qwen3-8B target, 16 rows at context 1024
   decode   Qwen3-8B target, 1 row at context 1024
-  prefill  the 8B target's prefill of a 1024-token prompt (chunks of 256 rows): time to first token
+  prefill  the 8B target's prefill of a 1024-token prompt (the library's prefill_chunk, 512 rows): time to first
+           token's share of the target
   *_8k     verify and decode at context 8192 (the floor adds the K/V cache bytes read; goal 1.15x the floor)
   *_cap32k verify, decode and the 8B propose again at context 1024, in sequences of capacity 32768 (a deployment's
            max_seq_len): what a large capacity costs
@@ -308,12 +309,13 @@ def prefill_flops(base, layers, tokens):
 
 
 def bench_prefill(stream, pool, iters):
-    """Time to first token's share of the target: a 1024-token prompt prefilled in chunks of 256 rows, rolled back
-    after each run. Its floor is the larger of the weights read once and the FLOPs at the tensor cores' peak
+    """Time to first token's share of the target: a 1024-token prompt prefilled in the library's chunks (512 rows;
+    BENCH_PREFILL_CHUNK=N sets them), rolled back after each run. Its floor is the larger of the weights read once and the FLOPs at the tensor cores' peak
     (PEAK_BF16_FLOPS): prefill is compute-bound (no goal)."""
     ctx = CTX["short"]
-    chunk = int(os.environ.get("BENCH_PREFILL_CHUNK", "256"))  # an A/B knob of this script (--variants)
-    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64, prefill_chunk=chunk)
+    chunk = os.environ.get("BENCH_PREFILL_CHUNK")  # an A/B knob of this script (--variants); unset: the library's
+    target, floor_bytes = build_target(stream, pool, QWEN3_8B, 36, max_seq_len=ctx + 64,
+                                       prefill_chunk=int(chunk) if chunk else None)
     seq = target.new_sequence(ctx + 64)
     prompt = np.random.default_rng(3).integers(0, QWEN3_8B["vocab_size"], size=ctx).tolist()
 

@@ -245,7 +245,7 @@ typedef struct dflash_target_params {
     int32_t max_batch;         /* sequences holding KV at once; default 1 */
     int32_t max_seq_len;       /* largest sequence budget (prompt + output); default 4096 */
     int32_t max_verify_rows;   /* most rows per verify (the widest block); default 16 */
-    int32_t prefill_chunk;     /* prompt rows per forward in prefill; default 256 */
+    int32_t prefill_chunk;     /* prompt rows per forward in prefill; default 512 */
 } dflash_target_params;
 
 DFLASH_API dflash_target_params dflash_target_default_params(void);

@@ -511,7 +511,7 @@ DFLASH_API dflash_target_params dflash_target_default_params(void) {
     p.max_batch = 1;
     p.max_seq_len = 4096;
     p.max_verify_rows = 16;
-    p.prefill_chunk = 256;
+    p.prefill_chunk = 512;
     return p;
 }
 

@@ -184,11 +184,10 @@ bool pdl_enabled();
 
 // kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with
 // programmatic stream serialization where pdl_enabled(); a bad configuration throws here.
-// launch_with(false, ...): always the plain launch.
 template <typename... Params, typename... Args>
-void launch_with(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                 Args &&...args) {
-    if (!pdl || !pdl_enabled()) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            Args &&...args) {
+    if (!pdl_enabled()) {
         kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
         DFLASH_CUDA_LAUNCHED();
         return;
@@ -204,12 +203,6 @@ void launch_with(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, siz
     config.attrs = attr;
     config.numAttrs = 1;
     DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-            Args &&...args) {
-    launch_with(true, kernel, grid, block, smem, s, std::forward<Args>(args)...);
 }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -214,10 +214,7 @@ void launch_wide(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N
     auto *kernel = gemm_wide_kernel<TILED, SWIGLU>;
     // Idempotent and not a stream operation: set before each (uncaptured, few) launch, on any device.
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWideSmem)));
-    // DFLASH_PDL_WIDE=0 (an A/B switch): launched without programmatic serialization, so it starts once the
-    // kernel before it has finished (its own dependents may still launch early).
-    static const bool pdl = env_switch_on("DFLASH_PDL_WIDE");
-    launch_with(pdl, kernel, dim3(unsigned(row_tiles), unsigned(col_blocks)), kWideThreads, kWideSmem, s, x, M, ldx, w, N, K,
+    launch(kernel, dim3(unsigned(row_tiles), unsigned(col_blocks)), kWideThreads, kWideSmem, s, x, M, ldx, w, N, K,
            y, ldy, pair);
 }
 

@@ -533,24 +533,14 @@ int best_ks(int64_t K, bool tiled, int max_ks, Blocks blocks) {
     const int64_t chunks = (K + kChunk - 1) / kChunk;
     int best = 0;
     double best_score = -1.0;
-    // DFLASH_GEMM_ONE_WAVE=1 (an A/B knob, read once): a grid that is resident all at once (one wave,
-    // at least half the slots) wins over more waves of a better fill: every block then streams from
-    // start to end of the kernel, with one ramp instead of one per wave.
-    static const bool one_wave = [] {
-        const char *v = std::getenv("DFLASH_GEMM_ONE_WAVE");
-        return v && v[0] == '1';
-    }();
-    int one_wave_best = 0;
-    double one_wave_blocks = 0.0;
     for (int ks : {1, 2, 4, 8}) {
         if (ks > max_ks || (ks > 1 && chunks < 2 * ks)) break;
         const double b = blocks(ks);
         if (b < 0) continue;
         const double score = b <= slots ? b / slots : b / (std::ceil(b / slots) * slots);
         if (score > best_score + 0.02) best = ks, best_score = score;
-        if (b <= slots && b >= 0.5 * slots && b > one_wave_blocks) one_wave_best = ks, one_wave_blocks = b;
     }
-    return one_wave && one_wave_best ? one_wave_best : best;
+    return best;
 }
 
 Tiling tiling(int64_t N, int64_t K, bool tiled) {
