@@ -783,6 +783,26 @@ InPlaceRows in_place_rows(const std::vector<float> &all_c, const std::vector<flo
     return out;
 }
 
+// The same for an output that started poisoned: the first `width` of each of `rows` rows of ld (cuda,
+// raw bytes, against the host), and the count of the rest of the buffer (past width, past the last
+// row) no longer poisoned.
+InPlaceRows poisoned_rows(const std::vector<uint8_t> &raw_c, dflash_dtype act, const std::vector<float> &all_h,
+                          int64_t rows, int64_t ld, int64_t width) {
+    const std::vector<float> all_c = decode(act, raw_c);
+    const size_t elem = dtype_size(act);
+    InPlaceRows out;
+    for (size_t i = 0; i < all_c.size(); ++i) {
+        const int64_t r = int64_t(i) / ld, col = int64_t(i) % ld;
+        if (r < rows && col < width) {
+            out.got.push_back(all_c[i]);
+            out.ref.push_back(all_h[i]);
+        } else if (!still_poisoned(raw_c, elem, i)) {
+            ++out.pad_changed;
+        }
+    }
+    return out;
+}
+
 // ----------------------------------------------------------------------------------------------
 // add_rms_norm, head_norm_rope (the fused ops; the host runs their composed defaults)
 // ----------------------------------------------------------------------------------------------
@@ -900,23 +920,11 @@ void test_gemm() {
                   H->gemm(x_h.get(), m, ldx, v_h, y_h.get(), ldy);
                   C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy);
                   sync(*C);
-                  const std::vector<uint8_t> raw_c = download_bytes(*C, y_c.get(), total * act_size(*C));
-                  const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
-                  const std::vector<float> all_h = download_act(*H, y_h.get(), total);
-                  std::vector<float> got, ref;
-                  int64_t pad_changed = 0;
-                  for (int64_t r = 0; r < m; ++r)
-                      for (int64_t col = 0; col < ldy; ++col) {
-                          const size_t i = size_t(r * ldy + col);
-                          if (col < n) {
-                              got.push_back(all_c[i]);
-                              ref.push_back(all_h[i]);
-                          } else if (!still_poisoned(raw_c, act_size(*C), i)) {
-                              ++pad_changed;
-                          }
-                      }
-                  c.close("y", got, ref, kTolBf16);
-                  c.check(pad_changed == 0, cat(pad_changed, " padding element(s) written"));
+                  const InPlaceRows rows =
+                      poisoned_rows(download_bytes(*C, y_c.get(), total * act_size(*C)), C->act_dtype(),
+                                    download_act(*H, y_h.get(), total), m, ldy, n);
+                  c.close("y", rows.got, rows.ref, kTolBf16);
+                  c.check(rows.pad_changed == 0, cat(rows.pad_changed, " padding element(s) written"));
               });
     };
     for (int64_t m : ms)
@@ -1091,26 +1099,12 @@ void test_gemm_wide() {
                           C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy, GemmRows::Wide);
                       }
                       sync(*C);
-                      const int64_t ld_out = sh.swiglu ? sh.n : ldy;
-                      const std::vector<uint8_t> raw_c = download_bytes(*C, y_c.get(), total * act_size(*C));
-                      const std::vector<float> all_c = decode(C->act_dtype(), raw_c);
-                      const std::vector<float> all_h = download_act(*H, y_h.get(), total);
-                      std::vector<float> got, ref;
-                      int64_t pad_changed = 0;
-                      for (int64_t r = 0; r < m; ++r)
-                          for (int64_t col = 0; col < ld_out; ++col) {
-                              const size_t i = size_t(r * ld_out + col);
-                              if (col < out_cols) {
-                                  got.push_back(all_c[i]);
-                                  ref.push_back(all_h[i]);
-                              } else if (!still_poisoned(raw_c, act_size(*C), i)) {
-                                  ++pad_changed;
-                              }
-                          }
-                      for (size_t i = size_t(m * ld_out); i < total; ++i)  // past the last row
-                          if (!still_poisoned(raw_c, act_size(*C), i)) ++pad_changed;
-                      c.close("y", got, ref, kTolBf16);
-                      c.check(pad_changed == 0, cat(pad_changed, " element(s) outside the output written"));
+                      const InPlaceRows rows =
+                          poisoned_rows(download_bytes(*C, y_c.get(), total * act_size(*C)), C->act_dtype(),
+                                        download_act(*H, y_h.get(), total), m, sh.swiglu ? sh.n : ldy, out_cols);
+                      c.close("y", rows.got, rows.ref, kTolBf16);
+                      c.check(rows.pad_changed == 0,
+                              cat(rows.pad_changed, " element(s) outside the output written"));
                   });
         }
 }
