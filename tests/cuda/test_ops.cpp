@@ -803,6 +803,36 @@ InPlaceRows poisoned_rows(const std::vector<uint8_t> &raw_c, dflash_dtype act, c
     return out;
 }
 
+// A GEMM case's inputs on both backends: x [m, ldx] and a weight of `stored` rows x k (bf16-exact
+// normals), viewed from row slice_first for `rows` rows (tiled on the cuda side if asked), and poisoned
+// outputs of `total` elements.
+struct GemmInputs {
+    Weight w_h, w_c;
+    WeightView v_h, v_c;
+    DeviceBuffer x_h, x_c, y_h, y_c;
+    size_t total;
+    GemmInputs(Case &c, int64_t m, int64_t k, int64_t ldx, int64_t rows, int64_t stored, int64_t slice_first,
+               bool tiled, size_t total_out)
+        : total(total_out) {
+        const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
+        const std::vector<float> w = c.rng.bf16_normal(size_t(stored * k), 1.f / std::sqrt(float(k)));
+        w_h = upload_weight(*H, w, stored, k);
+        w_c = upload_weight(*C, w, stored, k);
+        if (tiled) w_c = tiled_weight(*C, w_c);
+        v_h = w_h.view.slice_rows(slice_first, rows);
+        v_c = w_c.view.slice_rows(slice_first, rows);
+        x_h = upload_act(*H, x);
+        x_c = upload_act(*C, x);
+        y_h = poisoned(*H, total * act_size(*H));
+        y_c = poisoned(*C, total * act_size(*C));
+    }
+    // poisoned_rows of the outputs (after the calls and a sync)
+    InPlaceRows outputs(int64_t rows, int64_t ld, int64_t width) const {
+        return poisoned_rows(download_bytes(*C, y_c.get(), total * act_size(*C)), C->act_dtype(),
+                             download_act(*H, y_h.get(), total), rows, ld, width);
+    }
+};
+
 // ----------------------------------------------------------------------------------------------
 // add_rms_norm, head_norm_rope (the fused ops; the host runs their composed defaults)
 // ----------------------------------------------------------------------------------------------
@@ -905,24 +935,12 @@ void test_gemm() {
                   pad_y ? cat(" ldy=+", pad_y) : "", slice_first ? cat(" rows from ", slice_first) : "",
                   tiled ? " tiled" : ""),
               [&](Case &c) {
-                  const int64_t ldx = k + pad_x, ldy = n + pad_y, w_rows = n + slice_first + 3;
-                  const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
-                  const std::vector<float> w =
-                      c.rng.bf16_normal(size_t(w_rows * k), 1.f / std::sqrt(float(k)));
-                  Weight w_h = upload_weight(*H, w, w_rows, k), w_c = upload_weight(*C, w, w_rows, k);
-                  if (tiled) w_c = tiled_weight(*C, w_c);
-                  const WeightView v_h = w_h.view.slice_rows(slice_first, n);
-                  const WeightView v_c = w_c.view.slice_rows(slice_first, n);
-                  DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
-                  const size_t total = size_t(m * ldy);
-                  DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
-                  DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
-                  H->gemm(x_h.get(), m, ldx, v_h, y_h.get(), ldy);
-                  C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy);
+                  const int64_t ldx = k + pad_x, ldy = n + pad_y;
+                  GemmInputs in(c, m, k, ldx, n, n + slice_first + 3, slice_first, tiled, size_t(m * ldy));
+                  H->gemm(in.x_h.get(), m, ldx, in.v_h, in.y_h.get(), ldy);
+                  C->gemm(in.x_c.get(), m, ldx, in.v_c, in.y_c.get(), ldy);
                   sync(*C);
-                  const InPlaceRows rows =
-                      poisoned_rows(download_bytes(*C, y_c.get(), total * act_size(*C)), C->act_dtype(),
-                                    download_act(*H, y_h.get(), total), m, ldy, n);
+                  const InPlaceRows rows = in.outputs(m, ldy, n);
                   c.close("y", rows.got, rows.ref, kTolBf16);
                   c.check(rows.pad_changed == 0, cat(rows.pad_changed, " padding element(s) written"));
               });
@@ -1074,34 +1092,21 @@ void test_gemm_wide() {
                       const int64_t m = sh.m, k = sh.k, ldx = k + sh.pad_x;
                       const int64_t out_cols = sh.n, w_rows = sh.swiglu ? 2 * sh.n : sh.n;
                       const int64_t ldy = out_cols + sh.pad_y, stored_rows = w_rows + slice_first + (sh.swiglu ? 0 : 3);
-                      const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
-                      const std::vector<float> w =
-                          c.rng.bf16_normal(size_t(stored_rows * k), 1.f / std::sqrt(float(k)));
-                      Weight w_h = upload_weight(*H, w, stored_rows, k), w_c = upload_weight(*C, w, stored_rows, k);
-                      if (tiled) w_c = tiled_weight(*C, w_c);
-                      const WeightView v_h = w_h.view.slice_rows(slice_first, w_rows);
-                      const WeightView v_c = w_c.view.slice_rows(slice_first, w_rows);
-                      DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
-                      const size_t total = size_t(m * ldy);
-                      DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
-                      DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
-                      const bool fits = cuda::gemm_wide_fits(static_cast<const __nv_bfloat16 *>(x_c.get()), m, ldx,
-                                                             static_cast<const __nv_bfloat16 *>(v_c.data), tiled, k);
+                      GemmInputs in(c, m, k, ldx, w_rows, stored_rows, slice_first, tiled, size_t(m * ldy));
+                      const bool fits = cuda::gemm_wide_fits(static_cast<const __nv_bfloat16 *>(in.x_c.get()), m, ldx,
+                                                             static_cast<const __nv_bfloat16 *>(in.v_c.data), tiled, k);
                       c.check(fits == sh.wide, cat("gemm_wide_fits says ", fits, ", the case expects ", sh.wide));
-                      if (sh.swiglu) {
+                      if (sh.swiglu) {  // the backend stores out at stride inter (pad_y is 0)
                           DeviceBuffer s_h(H, size_t(m * w_rows) * act_size(*H));
                           DeviceBuffer s_c(C, size_t(m * w_rows) * act_size(*C));
-                          H->gemm_swiglu(x_h.get(), m, ldx, v_h, sh.n, s_h.get(), y_h.get());
-                          // ldy: the wide kernel's store takes any output stride; the backend passes inter
-                          C->gemm_swiglu(x_c.get(), m, ldx, v_c, sh.n, s_c.get(), y_c.get(), GemmRows::Wide);
+                          H->gemm_swiglu(in.x_h.get(), m, ldx, in.v_h, sh.n, s_h.get(), in.y_h.get());
+                          C->gemm_swiglu(in.x_c.get(), m, ldx, in.v_c, sh.n, s_c.get(), in.y_c.get(), GemmRows::Wide);
                       } else {
-                          H->gemm(x_h.get(), m, ldx, v_h, y_h.get(), ldy);
-                          C->gemm(x_c.get(), m, ldx, v_c, y_c.get(), ldy, GemmRows::Wide);
+                          H->gemm(in.x_h.get(), m, ldx, in.v_h, in.y_h.get(), ldy);
+                          C->gemm(in.x_c.get(), m, ldx, in.v_c, in.y_c.get(), ldy, GemmRows::Wide);
                       }
                       sync(*C);
-                      const InPlaceRows rows =
-                          poisoned_rows(download_bytes(*C, y_c.get(), total * act_size(*C)), C->act_dtype(),
-                                        download_act(*H, y_h.get(), total), m, sh.swiglu ? sh.n : ldy, out_cols);
+                      const InPlaceRows rows = in.outputs(m, sh.swiglu ? sh.n : ldy, out_cols);
                       c.close("y", rows.got, rows.ref, kTolBf16);
                       c.check(rows.pad_changed == 0,
                               cat(rows.pad_changed, " element(s) outside the output written"));
