@@ -12,7 +12,7 @@ Rows (issue 5), batch 1, bf16, random weights at real checkpoint shapes (not zer
   *_cap32k verify, decode and the 8B propose again at context 1024, in sequences of capacity 32768 (a deployment's
            max_seq_len): what a large capacity costs
 For each: the floor = bytes of weights a step must read / copy bandwidth measured in the same run (a
-device-to-device copy), our median time (CUDA events on our stream, >= 100 steps after warm-up), the ratio,
+device-to-device copy; prefill: the larger of that and its FLOPs at the dense bf16 peak), our median time (CUDA events on our stream, >= 100 steps after warm-up), the ratio,
 and, when torch + transformers + dflash import, the reference's median time measured the same way.
 
     python3 tools/bench.py [--rows propose8b,propose8b_8k,propose4b,verify,decode,verify_cap32k,...] [--iters 100]
@@ -535,7 +535,7 @@ def main(argv=None):
         else:
             fig, ax = plt.subplots(figsize=(9, 4))
             x = np.arange(len(results))
-            ax.bar(x - 0.2, [r["floor_ms"] for r in results], 0.4, label="bandwidth floor")
+            ax.bar(x - 0.2, [r["floor_ms"] for r in results], 0.4, label="floor (bandwidth; prefill: compute)")
             ax.bar(x + 0.2, [r["ms"] for r in results], 0.4, label="pydflash")
             ax.set_xticks(x, [r["row"] for r in results])
             ax.set_ylabel("ms per step")

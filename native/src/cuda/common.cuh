@@ -130,11 +130,12 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Programmatic dependent launch (sm_90+, on by default; DFLASH_PDL=0 turns it off; measured on the
 // H200: propose 4-6% and decode 4% faster, verify the same): kernels are launched with programmatic
-// stream serialization, so the next kernel's blocks may be scheduled while this one drains. Each
-// kernel starts with pdl_prologue(): it lets its own successor launch, then waits until every
+// stream serialization, so the next kernel's blocks may be scheduled while this one drains. Most
+// kernels start with pdl_prologue(): it lets its own successor launch, then waits until every
 // kernel before it has finished and its writes are visible; nothing before that wait touches
-// memory that an earlier kernel writes (gemm_stream_kernel alone starts streaming its constant
-// weights first). Launched without the attribute (DFLASH_PDL=0), both instructions return at once
+// memory that an earlier kernel writes. The GEMMs (gemm_stream_kernel, gemm_wide_kernel) stream
+// their constant weights' first chunks before the wait, and let their successor launch at their
+// start or after their k loop (gemv.cu's late_pdl_trigger; the wide GEMM always after). Launched without the attribute (DFLASH_PDL=0), both instructions return at once
 // (CUTLASS and rtp-llm kernels carry them the same way); below sm_90 they are absent.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

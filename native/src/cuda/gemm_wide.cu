@@ -28,7 +28,7 @@ constexpr int kWideThreads = 256;             // 8 warps: 2 (rows) x 4 (columns)
 constexpr int kXBytes = kBM * kBK * 2;        // one x tile: 64 rows of 128 bytes
 constexpr int kWBytes = kBN * kBK * 2;        // one w tile: 128 rows of 128 bytes
 constexpr int kWideStageBytes = kXBytes + kWBytes;
-constexpr size_t kWideSmem = size_t(kWideStages) * kWideStageBytes;  // 96 KB: 2 blocks per SM
+constexpr size_t kWideSmem = size_t(kWideStages) * kWideStageBytes;  // 96 KB: 2 blocks per SM on sm_90 (1 below)
 static_assert(kBK == kTileCols, "a k step of a tiled weight row is one tile row");
 static_assert(kBM * 64 * 4 <= kWideSmem, "the SwiGLU exchange fits in the ring");
 
@@ -208,7 +208,7 @@ void launch_wide(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N
                  int64_t ldy, int64_t pair, cudaStream_t s) {
     const int64_t col_blocks = SWIGLU ? (pair + kBN / 2 - 1) / (kBN / 2) : (N + kBN - 1) / kBN;
     const int64_t row_tiles = (M + kBM - 1) / kBM;
-    if (col_blocks > 65535 || row_tiles > int64_t(1) << 31)
+    if (col_blocks > 65535 || row_tiles >= int64_t(1) << 31)
         fail(DFLASH_STATUS_NOT_SUPPORTED, "gemm (wide): ", row_tiles, " x ", col_blocks, " tiles for M = ", M,
              ", N = ", N);
     auto *kernel = gemm_wide_kernel<TILED, SWIGLU>;
@@ -226,6 +226,7 @@ bool gemm_wide_fits(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w
 
 void gemm_wide(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K, bf16 *y,
                int64_t ldy, cudaStream_t s) {
+    if (M == 0 || N == 0) return;
     if (w_tiled)
         launch_wide<true, false>(x, M, ldx, w, N, K, y, ldy, 0, s);
     else
@@ -234,6 +235,7 @@ void gemm_wide(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tile
 
 void gemm_wide_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter,
                       int64_t K, bf16 *out, int64_t ldo, cudaStream_t s) {
+    if (M == 0 || inter == 0) return;
     if (w_tiled)
         launch_wide<true, true>(x, M, ldx, w, 2 * inter, K, out, ldo, inter, s);
     else

@@ -291,7 +291,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
-    // could use), or, late_trigger (DFLASH_PDL_TRIGGER=late), once every block is past its k loop.
+    // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
+    // block is past its k loop.
     if (!late_trigger) pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
