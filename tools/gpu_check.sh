@@ -459,9 +459,9 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                 # slowest one under it (SAN_RACECHECK_GRAPHS=1 keeps graphs). It also needs the most
                 # host memory: workers that died without a report were taken by the host's OOM killer
                 # at 30-54 GB each, with four tools side by side (session 10's log; session 9's deaths
-                # looked the same but predate the log). So it gets
-                # its own worker count (SAN_RACECHECK_WORKERS, default 3), 12 generated tokens per
-                # lossless prompt (SAN_RACECHECK_TOKENS) and a -k a later run can narrow (SAN_RACECHECK_K).
+                # looked the same but predate the log). So it gets its own worker count
+                # (SAN_RACECHECK_WORKERS, default 3), 12 generated tokens per lossless prompt
+                # (SAN_RACECHECK_TOKENS) and a -k a later run can narrow (SAN_RACECHECK_K).
                 graphs=${DFLASH_CUDA_GRAPHS:-1} only=() tool_workers=("${workers[@]}")
                 tokens=${SAN_TOKENS:-48}
                 if [[ $tool == racecheck ]] && (( ! QUICK )); then

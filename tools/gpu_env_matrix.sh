@@ -2,7 +2,8 @@
 # gpu_env_matrix.sh: one pytest selection of the GPU suite under several environment settings, a
 # line of pass/fail counts per setting: which kill switch (DFLASH_PDL, DFLASH_GEMM_TILED,
 # DFLASH_FUSED_SWIGLU, DFLASH_FUSED_QKV_ROPE, DFLASH_CUDA_GRAPHS: =0 turns each off) or knob
-# (DFLASH_ATTN_FILL=N: attention aims at N blocks) makes a failure go away. For the device machine, after gpu_check.sh installed the package, e.g.
+# (DFLASH_ATTN_FILL=N: attention aims at N blocks) makes a failure go away. For the device
+# machine, after gpu_check.sh installed the package, e.g.
 #   tools/gpu_check.sh --no-ops --no-sanitizer --lean --then \
 #     'tools/gpu_env_matrix.sh -k "near_tie or graph_replays" "default" "DFLASH_PDL=0" "DFLASH_PDL=0,DFLASH_GEMM_TILED=0"'
 # Each setting is "default" or a comma list of NAME=VALUE; a setting prefixed "san:TOOL:" runs the

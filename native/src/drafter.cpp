@@ -270,6 +270,14 @@ void Drafter::stamp_slots(DrafterSeq &seq, int64_t first, const int32_t *positio
     }
 }
 
+// The pending context rows' arguments as project_pending reads them: their positions at out[0, P),
+// their (newly stamped) physical slots at out[chunk_rows_, chunk_rows_ + P).
+void Drafter::pending_args(DrafterSeq &seq, int32_t *out) {
+    const int64_t P = int64_t(seq.pending_positions.size());
+    std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), out);
+    stamp_slots(seq, seq.cached, seq.pending_positions.data(), P, out + chunk_rows_);
+}
+
 // Uploads the slot positions of logical slots [first, first+count): the touched ring range, in two
 // pieces when it wraps.
 void Drafter::upload_slot_positions(DrafterSeq &seq, int64_t first, int64_t count) {
@@ -294,8 +302,7 @@ void Drafter::project_pending(DrafterSeq &seq, bool args_uploaded) {
     int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
     if (!args_uploaded) {  // positions then slots, one upload
         std::vector<int32_t> args(size_t(chunk_rows_ + P));
-        std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), args.begin());
-        stamp_slots(seq, seq.cached, seq.pending_positions.data(), P, args.data() + chunk_rows_);
+        pending_args(seq, args.data());
         upload_slot_positions(seq, seq.cached, P);
         backend_->upload(ctx_pos, args.data(), args.size() * sizeof(int32_t));
     }
@@ -408,11 +415,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     // contiguous ring range) in a second.
     std::vector<int32_t> args(size_t(3 * gamma_ + (pending ? chunk_rows_ + pending : 0)), 0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
-    if (pending) {
-        int32_t *ctx_pos = args.data() + 3 * gamma_;
-        std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), ctx_pos);
-        stamp_slots(seq, seq.cached, ctx_pos, pending, ctx_pos + chunk_rows_);
-    }
+    if (pending) pending_args(seq, args.data() + 3 * gamma_);
     for (int32_t j = 0; j < width; ++j) {
         tokens[j] = j == 0 ? last_token : p_.mask_token_id;
         q_pos[j] = position + j;

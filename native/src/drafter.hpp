@@ -111,6 +111,7 @@ private:
     void stamp_slots(DrafterSeq &seq, int64_t first_logical, const int32_t *positions,
                      int64_t count, int32_t *slots_out);
     void upload_slot_positions(DrafterSeq &seq, int64_t first_logical, int64_t count);
+    void pending_args(DrafterSeq &seq, int32_t *out);
     // args_uploaded: the caller stamped the pending rows' slots and uploaded their positions,
     // slots and slot positions itself (propose: one upload with its own arguments).
     void project_pending(DrafterSeq &seq, bool args_uploaded = false);

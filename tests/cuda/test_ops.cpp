@@ -1040,22 +1040,14 @@ void test_gemm_swiglu() {
                 g.run(cat("M=", m, " inter=", ik.inter, " K=", ik.k, pad_x ? " ldx=+8" : "", tiled ? " tiled" : ""),
                       [&](Case &c) {
                           const int64_t ldx = ik.k + pad_x, n = 2 * ik.inter;
-                          const std::vector<float> x = c.rng.bf16_normal(size_t(m * ldx));
-                          const std::vector<float> w =
-                              c.rng.bf16_normal(size_t(n * ik.k), 1.f / std::sqrt(float(ik.k)));
-                          Weight w_h = upload_weight(*H, w, n, ik.k), w_c = upload_weight(*C, w, n, ik.k);
-                          if (tiled) w_c = tiled_weight(*C, w_c);
-                          DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                          GemmInputs in(c, m, ik.k, ldx, n, n, 0, tiled, size_t(m * ik.inter));
                           DeviceBuffer s_h = poisoned(*H, size_t(m * n) * act_size(*H));
                           DeviceBuffer s_c = poisoned(*C, size_t(m * n) * act_size(*C));
-                          const size_t total = size_t(m * ik.inter);
-                          DeviceBuffer y_h = poisoned(*H, total * act_size(*H));
-                          DeviceBuffer y_c = poisoned(*C, total * act_size(*C));
-                          H->gemm_swiglu(x_h.get(), m, ldx, w_h.view, ik.inter, s_h.get(), y_h.get());
-                          C->gemm_swiglu(x_c.get(), m, ldx, w_c.view, ik.inter, s_c.get(), y_c.get());
+                          H->gemm_swiglu(in.x_h.get(), m, ldx, in.v_h, ik.inter, s_h.get(), in.y_h.get());
+                          C->gemm_swiglu(in.x_c.get(), m, ldx, in.v_c, ik.inter, s_c.get(), in.y_c.get());
                           sync(*C);
-                          c.close("out", download_act(*C, y_c.get(), total), download_act(*H, y_h.get(), total),
-                                  kTolBf16);
+                          const InPlaceRows out = in.outputs(m, ik.inter, ik.inter);
+                          c.close("out", out.got, out.ref, kTolBf16);
                       });
             }
 }

@@ -1,7 +1,7 @@
 // attention.cu: paged attention of a few query rows over a long paged context, split across the
 // keys (flash-decoding style) so a long context still fills the GPU.
 //
-// Grid: (kv head, key split, query tile); split s reads the key chunks s, s + splits, ... (plan()).
+// Grid: (kv head, key split, query tile); split s reads the key chunks s, s + splits, ... (grid_splits()).
 // A block stages 32 keys of K and V for its kv head in shared memory once and lets every query
 // vector of the tile (query rows x the heads sharing that kv head) consume them: each K/V byte is
 // read from memory once per query tile, not once per query. Lane j scores key j; softmax is
@@ -90,7 +90,7 @@ attention_split_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_posi
         for (int d = 0; d < kDimsPerLane; ++d) o[t][d] = 0.f;
     }
 
-    // This block's chunks: split, split + gridDim.y, ... (see plan()).
+    // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
     const int64_t key_end = key_count(keys), stride = int64_t(gridDim.y) * kKeysPerChunk;
     if (int64_t(split) * kKeysPerChunk >= key_end) return;  // no keys: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * hd;
@@ -234,7 +234,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         for (int i = 0; i < 4; ++i) o[t][i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    // This block's chunks: split, split + gridDim.y, ... (see plan()).
+    // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
     const int64_t key_end = key_count(keys), stride = int64_t(gridDim.y) * kTcKeys;
     if (int64_t(split) * kTcKeys >= key_end) return;  // no keys: nothing written, the combine stops before it
     const int64_t kv_width = int64_t(n_kv_heads) * HD;
@@ -456,33 +456,23 @@ int64_t split_rows(int64_t nq, const PagedKeys &keys) {
     return keys.uniform_rows > 0 && nq <= keys.uniform_rows ? keys.uniform_rows : nq;
 }
 
-Plan plan(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
-    Plan p;
-    const int64_t group = n_heads / n_kv_heads;
-    p.rows_per_tile = int(std::max<int64_t>(1, kMaxQueryVectors / group));
-    p.q_tiles = int((nq + p.rows_per_tile - 1) / p.rows_per_tile);
-    p.chunk_keys = kKeysPerChunk;
-    const int64_t tiles = (split_rows(nq, keys) + p.rows_per_tile - 1) / p.rows_per_tile;
-    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles);
-    return p;
-}
-
 // The tensor-core path: 64 query vectors per block, chunks of 64 keys.
 bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-Plan plan_tc(int64_t nq, int64_t n_heads, int64_t n_kv_heads, const PagedKeys &keys) {
-    Plan p;
-    const int64_t group = n_heads / n_kv_heads;
-    p.rows_per_tile = 0;  // unused: tiles are of query vectors
-    p.q_tiles = int((nq * group + kTcVectors - 1) / kTcVectors);
-    p.chunk_keys = kTcKeys;
-    const int64_t tiles = (split_rows(nq, keys) * group + kTcVectors - 1) / kTcVectors;
-    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles);
-    return p;
-}
-
+// A query tile: rows_per_tile query rows (their vectors, at most kMaxQueryVectors) on the split
+// kernel, kTcVectors query vectors on the tensor-core kernel.
 Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
-    return use_tc(head_dim) ? plan_tc(nq, n_heads, n_kv_heads, keys) : plan(nq, n_heads, n_kv_heads, keys);
+    const int64_t group = n_heads / n_kv_heads;
+    const bool tc = use_tc(head_dim);
+    Plan p;
+    p.rows_per_tile = tc ? 0 : int(std::max<int64_t>(1, kMaxQueryVectors / group));  // tc: unused
+    p.chunk_keys = tc ? kTcKeys : kKeysPerChunk;
+    auto tiles = [&](int64_t rows) {
+        return tc ? (rows * group + kTcVectors - 1) / kTcVectors : (rows + p.rows_per_tile - 1) / p.rows_per_tile;
+    };
+    p.q_tiles = int(tiles(nq));
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)));
+    return p;
 }
 
 size_t smem_bytes(int64_t hd) {
@@ -516,8 +506,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         fail(DFLASH_STATUS_INTERNAL, "cuda attention: q row stride ", ldq, " (rows of ", n_heads * head_dim,
              "; even)");
     const bool tc = use_tc(head_dim);
-    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);
-    if (p.splits > kMaxSplits) fail(DFLASH_STATUS_INTERNAL, "cuda attention: ", p.splits, " splits");
+    const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);  // splits <= kMaxSplits (grid_splits)
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
     float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.

@@ -140,16 +140,17 @@ public:
     }
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows) override {
         const bf16 *wd = weight_data(w, "gemm", true);
-        if (wide(rows) && cuda::gemm_wide_fits(as_bf16(x), m, ldx, wd, w.tiled, w.cols))
+        if (takes_wide(rows, x, m, ldx, wd, w))
             cuda::gemm_wide(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
         else
             cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
     }
     // GemmRows::Wide calls take the wide GEMM (gemm_wide.cu) where it fits; DFLASH_GEMM_WIDE=0 keeps
     // them on the small-M kernels (an A/B switch).
-    static bool wide(GemmRows rows) {
+    static bool takes_wide(GemmRows rows, const void *x, int64_t m, int64_t ldx, const bf16 *wd,
+                           const WeightView &w) {
         static const bool on = env_switch_on("DFLASH_GEMM_WIDE");
-        return on && rows == GemmRows::Wide;
+        return on && rows == GemmRows::Wide && cuda::gemm_wide_fits(as_bf16(x), m, ldx, wd, w.tiled, w.cols);
     }
     // On by default (measured on the H200: decode 8% faster, verify and propose the same or faster);
     // DFLASH_GEMM_TILED=0 keeps row-major weights (an A/B switch).
@@ -189,7 +190,7 @@ public:
                  inter);
         static const bool fused = env_switch_on("DFLASH_FUSED_SWIGLU");
         const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
-        if (fused && wide(rows) && cuda::gemm_wide_fits(as_bf16(x), m, ldx, w, gate_up.tiled, gate_up.cols)) {
+        if (fused && takes_wide(rows, x, m, ldx, w, gate_up)) {
             cuda::gemm_wide_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
                                    stream_);
             return;

@@ -487,8 +487,6 @@ const DeviceFacts &device_facts() {
     return f;
 }
 
-// The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
-// (same tiling, same results: an A/B switch for benchmarks).
 // When the ring-fed GEMM lets the next kernel launch: at its start (early) or once every block is past
 // its k loop (late), so early dependents take no slots from its later blocks. DFLASH_PDL_TRIGGER=early
 // or late forces one; the default (auto) is late for calls of more than one row and early for one
@@ -507,6 +505,8 @@ bool late_pdl_trigger(int64_t M) {
     return mode == 2 || (mode == 0 && M > 1);
 }
 
+// The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
+// (same tiling, same results: an A/B switch for benchmarks).
 bool stream_enabled() {
     static const bool on = env_switch_on("DFLASH_GEMM_STREAM");
     return on && device_facts().stream_blocks_per_sm > 0;
