@@ -954,6 +954,8 @@ void test_gemm() {
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first, false);
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first ? kTileRows : 0, true);
         }
+    if (g_opt.level >= QUICK)  // tiled: 768 column blocks, a persistent launch of 3 per block on an H200
+        for (int64_t m : {int64_t(1), int64_t(16), int64_t(17)}) one(m, 12288, 1024, 0, m == 17 ? 8 : 0, 0, true);
     if (g_opt.level >= DEFAULT) {  // prefill-sized M
         one(300, 512, 512, 0, 0, 0, false);
         one(257, 300, 1024, 64, 8, 2, false);
@@ -971,7 +973,8 @@ void test_gemm_rows_agree() {
     if (!g.enabled()) return;
     struct Shape { int64_t n, k; bool swiglu; };  // swiglu: n is the intermediate size
     std::vector<Shape> shapes = {{300, 136, false}, {2056, 1024, false}, {64, 4096, false},
-                                 {640, 136, true},  {1024, 512, true}};
+                                 {640, 136, true},  {1024, 512, true},
+                                 {12288, 1024, false}, {12288, 1024, true}};  // tiled: persistent launches
     if (g_opt.level == SMOKE) shapes = {{300, 136, false}, {640, 136, true}};
     for (const Shape &sh : shapes)
         for (bool tiled : {false, true})
@@ -1019,14 +1022,15 @@ void test_gemm_rows_agree() {
 // On the H200 (264 / 396 block slots): 64 x 64 fuses with ks 1, 640 x 136 with ks 1 and a partial
 // last chunk, 608 x 200 with ks 2 (K % 64 = 8), 1024 x 512 and 3072 x 1024 with ks 4; 64 x 100
 // (K % 8 != 0) fuses with tiled weights only (element x loads); 608 x 136 and 40 x 64 (no fused
-// tiling) fall back to the pair.
+// tiling) fall back to the pair; 12288 x 1024 (ks 4, 768 column blocks) runs persistent when tiled.
 void test_gemm_swiglu() {
     Group g("gemm_swiglu");
     if (!g.enabled()) return;
     std::vector<int64_t> ms = {1, 7, 16, 17, 33};
     struct IK { int64_t inter, k; };
     std::vector<IK> iks = {{64, 64},    {640, 136}, {608, 200}, {1024, 512},
-                           {3072, 1024}, {64, 100}, {608, 136}, {40, 64}};
+                           {3072, 1024}, {64, 100}, {608, 136}, {40, 64},
+                           {12288, 1024}};  // tiled: 768 column blocks, persistent
     if (g_opt.level == QUICK) ms = {1, 16, 17};
     if (g_opt.level == SMOKE) {
         ms = {1, 16};

@@ -55,8 +55,11 @@ struct ArgmaxPartial {
 constexpr int kNt = 2;        // n-tiles (8 columns each) per warp
 constexpr int kStages = 4;       // chunks per warp ring (gemm_stream_kernel, row-major weights)
 constexpr int kTiledStages = 6;  // the tiled kernel: 2 blocks per SM, so a deeper ring per warp
-template <bool TILED>
-__host__ __device__ constexpr int ring_stages() { return TILED ? kTiledStages : kStages; }
+// A persistent launch (tiled only) keeps finish_tile's sums apart from the ring, which then holds the
+// next column block's chunks: one chunk less, so two blocks still fit on an SM.
+constexpr int kPersistStages = kTiledStages - 1;
+template <bool TILED, bool PERSIST = false>
+__host__ __device__ constexpr int ring_stages() { return PERSIST ? kPersistStages : TILED ? kTiledStages : kStages; }
 constexpr int kRowBytes = kChunk * 2 + 16;          // a ring row: one chunk + 16 bytes (no bank conflicts)
 constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
 
@@ -130,25 +133,44 @@ struct XRow {
 // Where a warp works: grid = (ceil(M / 16), column blocks); block = kWarps warps; warp = group *
 // KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks. The row
 // tiles vary fastest, so a column block's row tiles (prefill: M / 16 of them) run side by side and
-// read its weights from DRAM once, the rest from L2 (x fastest is the launch order).
+// read its weights from DRAM once, the rest from L2 (x fastest is the launch order). A persistent
+// launch (gemm_stream_kernel's PERSIST) has fewer blocks than column blocks and moves each block
+// on to column block blockIdx.y + gridDim.y, ... (at()); the work of a column block is the same.
 template <int KS>
 struct WarpTile {
     static constexpr int kGroups = kWarps / KS;
     static constexpr int kCols = kNt * 8;                 // per group
     static constexpr int kBlockCols = kGroups * kCols;
     int lane, warp, group, slice, g, q;
-    int64_t m0, col_block, col0, c_begin, c_end;
+    int64_t m0, col_block, col_blocks, col0, c_begin, c_end;
 
-    __device__ WarpTile(int64_t K) {
+    __device__ WarpTile(int64_t K, int64_t blocks) {
         lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         group = warp / KS, slice = warp % KS;
         g = lane >> 2, q = lane & 3;
         m0 = int64_t(blockIdx.x) * kTileM;
-        col_block = blockIdx.y;
-        col0 = col_block * kBlockCols + group * kCols;
+        col_blocks = blocks;
+        at<false>(blockIdx.y, 0);
         const int64_t chunks = (K + kChunk - 1) / kChunk;
         const int64_t per_slice = (chunks + KS - 1) / KS;
         c_begin = slice * per_slice, c_end = min(chunks, c_begin + per_slice);
+    }
+    // This warp's first column in column block cb. SWIGLU: groups [0, half) take gate columns, groups
+    // [half, 2 half) the same up columns (pair later).
+    template <bool SWIGLU>
+    __device__ int64_t col0_of(int64_t cb, int64_t pair) const {
+        if constexpr (SWIGLU) {
+            constexpr int kHalf = kGroups / 2;
+            const int64_t base = cb * kHalf * kCols;
+            return group < kHalf ? base + group * kCols : pair + base + (group - kHalf) * kCols;
+        } else {
+            return cb * kBlockCols + group * kCols;
+        }
+    }
+    template <bool SWIGLU>
+    __device__ void at(int64_t cb, int64_t pair) {
+        col_block = cb;
+        col0 = col0_of<SWIGLU>(cb, pair);
     }
 };
 
@@ -233,7 +255,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
                     (b.index == INT32_MAX || ov > b.value || (ov == b.value && oi < b.index)))
                     b = {ov, oi};
             }
-            if (wt.lane == 0) partial[(wt.m0 + r) * gridDim.y + wt.col_block] = b;
+            if (wt.lane == 0) partial[(wt.m0 + r) * wt.col_blocks + wt.col_block] = b;
         }
     }
 }
@@ -242,10 +264,12 @@ template <int KS>
 __host__ __device__ constexpr size_t red_bytes() {
     return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float);
 }
-// Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile.
-template <int KS, bool TILED>
+// Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile (PERSIST: the
+// rings, then finish_tile's own).
+template <int KS, bool TILED, bool PERSIST = false>
 constexpr size_t stream_smem_bytes() {
-    return std::max(size_t(kWarps) * ring_stages<TILED>() * kStageBytes, red_bytes<KS>());
+    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST>() * kStageBytes;
+    return PERSIST ? ring + red_bytes<KS>() : std::max(ring, red_bytes<KS>());
 }
 
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
@@ -256,7 +280,7 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
                 float softcap, float *logits_out, ArgmaxPartial *partial) {
     pdl_prologue();
     __shared__ float red[KS * kTileM * WarpTile<KS>::kBlockCols];
-    const WarpTile<KS> wt(K);
+    const WarpTile<KS> wt(K, gridDim.y);
     float acc[kNt][4] = {};
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
 #pragma unroll 2
@@ -285,52 +309,55 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
-template <int KS, Epilogue E, bool TILED, XLoad XL>
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
-                   float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger) {
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
+                   int64_t col_blocks) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
-    // block is past its k loop.
+    // block is past its (last) k loop.
     if (!late_trigger) pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
-    constexpr int S = ring_stages<TILED>();
+    static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
+    constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
+    static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
+    constexpr int S = ring_stages<TILED, PERSIST>();
     extern __shared__ __align__(16) unsigned char smem[];
-    WarpTile<KS> wt(K);
-    if constexpr (E == Epilogue::SwiGLU) {  // groups [0, half): gate columns; [half, 2 half): up columns
-        constexpr int kHalf = WarpTile<KS>::kGroups / 2;
-        static_assert(kHalf >= 1, "SwiGLU needs two column groups per block (ks <= 4)");
-        const int64_t base = wt.col_block * kHalf * WarpTile<KS>::kCols;
-        wt.col0 = wt.group < kHalf ? base + wt.group * WarpTile<KS>::kCols
-                                   : pair + base + (wt.group - kHalf) * WarpTile<KS>::kCols;
-    }
+    WarpTile<KS> wt(K, col_blocks);
+    wt.template at<kSwiGLU>(blockIdx.y, pair);
     unsigned char *ring = smem + size_t(wt.warp) * S * kStageBytes;
-    const int n_chunks = int(max(int64_t(0), wt.c_end - wt.c_begin));
-    // TILED: this warp's first tile (band col0 / 16, chunk c_begin); its chunks follow it.
-    const bool band_ok = wt.col0 < N;  // a block's last groups may lie past N
-    const bf16 *tiles = w + (band_ok ? ((wt.col0 / kTileRows) * ((K + kChunk - 1) / kChunk) + wt.c_begin) *
-                                           (kTileRows * kTileCols)
-                                     : 0);
+    const int64_t n_chunks = max(int64_t(0), wt.c_end - wt.c_begin);
+    const int64_t k_chunks = (K + kChunk - 1) / kChunk;
+    // This block's column blocks: blockIdx.y, + gridDim.y, ... (one unless PERSIST). Its warp's chunks
+    // run through the ring as one sequence over them, so the next column block's weights stream in
+    // while this one's sums are finished.
+    const int64_t my_tiles = PERSIST ? (col_blocks - 1 - int64_t(blockIdx.y)) / gridDim.y + 1 : 1;
+    const int64_t total = my_tiles * n_chunks;
 
-    // Chunk i of this warp into ring slot i % S: kNt * 8 rows x 8 pieces of 16 bytes, 8
-    // consecutive lanes per 128-byte row segment.
-    auto fill = [&](int i) {
-        const int64_t c0 = (wt.c_begin + i) * kChunk;
+    // Chunk i of this warp's sequence (column block t = i / n_chunks, its chunk j = i % n_chunks) into
+    // ring slot i % S: kNt * 8 rows x 8 pieces of 16 bytes, 8 consecutive lanes per 128-byte row segment.
+    auto fill = [&](int64_t i) {
+        const int64_t t = PERSIST ? i / n_chunks : 0, j = i - t * n_chunks;
+        const int64_t col0 = PERSIST ? wt.template col0_of<kSwiGLU>(blockIdx.y + t * gridDim.y, pair) : wt.col0;
+        const int64_t c0 = (wt.c_begin + j) * kChunk;
         unsigned char *slot = ring + (i % S) * kStageBytes;
-        if constexpr (TILED) {  // one 2 KB tile: piece p at p * 16 bytes
-            const bf16 *tile = tiles + int64_t(i) * (kTileRows * kTileCols);
+        const bool band_ok = col0 < N;  // a block's last groups may lie past N
+        if constexpr (TILED) {  // one 2 KB tile (band col0 / 16, chunk c_begin + j): piece p at p * 16 bytes
+            const bf16 *tile =
+                w + (band_ok ? ((col0 / kTileRows) * k_chunks + wt.c_begin + j) * (kTileRows * kTileCols) : 0);
 #pragma unroll
-            for (int j = 0; j < kNt * 64 / 32; ++j) {
-                const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
+            for (int q = 0; q < kNt * 64 / 32; ++q) {
+                const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
                 cp_async16(slot + r * kRowBytes + part * 16, band_ok ? tile + p * 8 : w, band_ok);
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < kNt * 64 / 32; ++j) {
-                const int p = wt.lane + 32 * j, r = p >> 3, part = p & 7;
-                const int64_t n = wt.col0 + r, k = c0 + part * 8;
+            for (int q = 0; q < kNt * 64 / 32; ++q) {
+                const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
+                const int64_t n = col0 + r, k = c0 + part * 8;
                 const bool ok = n < N && k < K;
                 cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
             }
@@ -338,7 +365,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
-        if (i < n_chunks) fill(i);
+        if (i < total) fill(i);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // The weights never change: their first chunks stream in while the kernels before this one
@@ -357,6 +384,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         else
             load16<false>(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
+    // x of sequence chunk i: the same k chunks in every column block.
+    auto x_c0 = [&](int64_t i) { return (wt.c_begin + (PERSIST ? i % n_chunks : i)) * kChunk; };
     // x in registers, kXAhead chunks ahead of the mma: x comes from L1/L2 (at M = 16 as many bytes
     // as the weights), and one chunk ahead leaves that latency in every step; the tiled kernel's
     // register budget (2 blocks per SM) holds a second chunk, the row-major one's (3) does not.
@@ -364,46 +393,55 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     uint32_t xs[kXAhead][2][8] = {};  // xs[a]: rows g and g + 8 of chunk i + a
 #pragma unroll
     for (int a = 0; a < kXAhead; ++a)
-        if (a < n_chunks) {
-            load_x(0, (wt.c_begin + a) * kChunk, xs[a][0]);
-            load_x(1, (wt.c_begin + a) * kChunk, xs[a][1]);
+        if (a < total) {
+            load_x(0, x_c0(a), xs[a][0]);
+            load_x(1, x_c0(a), xs[a][1]);
         }
-    float acc[kNt][4] = {};
-    for (int i = 0; i < n_chunks; ++i) {
-        cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
-        __syncwarp();            // ... and every lane's; all are done reading chunk i - 1
-        if (i + S - 1 < n_chunks) fill(i + S - 1);
-        cp_async_commit();
+    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
+                         : reinterpret_cast<float *>(smem);
+    int64_t i = 0;
+    for (int64_t t = 0; t < my_tiles; ++t) {
+        if (PERSIST && t > 0) {
+            wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
+            __syncthreads();  // the previous column block's finish_tile is done with red
+        }
+        float acc[kNt][4] = {};
+        for (int64_t j = 0; j < n_chunks; ++j, ++i) {
+            cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
+            __syncwarp();            // ... and every lane's; all are done reading chunk i - 1
+            if (i + S - 1 < total) fill(i + S - 1);
+            cp_async_commit();
 
-        uint32_t wb[kNt][8];
-        const unsigned char *slot = ring + (i % S) * kStageBytes;
+            uint32_t wb[kNt][8];
+            const unsigned char *slot = ring + (i % S) * kStageBytes;
 #pragma unroll
-        for (int t = 0; t < kNt; ++t) {
-            const unsigned char *row = slot + (t * 8 + wt.g) * kRowBytes + wt.q * 32;
-            const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
-            const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
-            wb[t][0] = v0.x, wb[t][1] = v0.y, wb[t][2] = v0.z, wb[t][3] = v0.w;
-            wb[t][4] = v1.x, wb[t][5] = v1.y, wb[t][6] = v1.z, wb[t][7] = v1.w;
+            for (int nt = 0; nt < kNt; ++nt) {
+                const unsigned char *row = slot + (nt * 8 + wt.g) * kRowBytes + wt.q * 32;
+                const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
+                const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
+                wb[nt][0] = v0.x, wb[nt][1] = v0.y, wb[nt][2] = v0.z, wb[nt][3] = v0.w;
+                wb[nt][4] = v1.x, wb[nt][5] = v1.y, wb[nt][6] = v1.z, wb[nt][7] = v1.w;
+            }
+            uint32_t nx[2][8] = {};  // x of chunk i + kXAhead, loaded before this one's mma
+            if (i + kXAhead < total) {
+                load_x(0, x_c0(i + kXAhead), nx[0]);
+                load_x(1, x_c0(i + kXAhead), nx[1]);
+            }
+            mma_chunk(acc, xs[0][0], xs[0][1], wb);
+#pragma unroll
+            for (int a = 0; a < kXAhead; ++a)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xs[a][r][e] = a + 1 < kXAhead ? xs[a + 1][r][e] : nx[r][e];
         }
-        uint32_t nx[2][8] = {};  // x of chunk i + kXAhead, loaded before this one's mma
-        if (i + kXAhead < n_chunks) {
-            const int64_t c0 = (wt.c_begin + i + kXAhead) * kChunk;
-            load_x(0, c0, nx[0]);
-            load_x(1, c0, nx[1]);
+        if constexpr (!PERSIST) {
+            cp_async_wait<0>();
+            __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
         }
-        mma_chunk(acc, xs[0][0], xs[0][1], wb);
-#pragma unroll
-        for (int a = 0; a < kXAhead; ++a)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) xs[a][r][j] = a + 1 < kXAhead ? xs[a + 1][r][j] : nx[r][j];
+        if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
+        finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair);
     }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
-    if (late_trigger) pdl_launch_dependents();
-    finish_tile<KS, E>(wt, acc, reinterpret_cast<float *>(smem), M, N, y, ldy, multiplier, softcap,
-                       logits_out, partial, pair);
 }
 
 // partial: [M, blocks]; one block per row; ties keep the lowest index (torch.argmax).
@@ -436,19 +474,24 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
 // Setting the kernels' dynamic shared memory limit happens here too, before any launch or capture.
 struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
+    int persist_blocks_per_sm = 0;                                    // the persistent tiled kernel
 };
 
 template <int KS, Epilogue E>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked>,
-                        gemm_stream_kernel<KS, E, false, XLoad::Full>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full, false>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Element>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, false>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element, false>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS, true, true>())));
 }
 
 template <int KS>
@@ -475,13 +518,17 @@ const DeviceFacts &device_facts() {
         allow_stream_smem_all<8>();
         int blocks = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, XLoad::Masked>, kWarps * 32,
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, XLoad::Masked, false>, kWarps * 32,
             stream_smem_bytes<8, false>()));
         f.stream_blocks_per_sm = blocks;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked>, kWarps * 32,
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked, false>, kWarps * 32,
             stream_smem_bytes<8, true>()));
         f.tiled_blocks_per_sm = blocks;
+        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked, true>, kWarps * 32,
+            stream_smem_bytes<8, true, true>()));
+        f.persist_blocks_per_sm = blocks;
         f.sms = n > 0 ? n : 132;
     }
     return f;
@@ -503,6 +550,19 @@ bool late_pdl_trigger(int64_t M) {
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
              " (auto, early or late)");
     return mode == 2 || (mode == 0 && M > 1);
+}
+
+// Blocks of a persistent launch of `col_blocks` column blocks and `row_tiles` row tiles: fewer column
+// blocks than that (each block then takes col_blocks / blocks of them, balanced), or 0 where one wave
+// holds the grid (nothing to gain) or DFLASH_GEMM_PERSIST=0 (an A/B switch). The sums are the same
+// either way: a column block's work does not depend on the block that does it.
+unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles) {
+    static const bool on = env_switch_on("DFLASH_GEMM_PERSIST");
+    const DeviceFacts &f = device_facts();
+    const int64_t per_row_tile = int64_t(f.sms) * f.persist_blocks_per_sm / std::max<int64_t>(1, row_tiles);
+    if (!on || per_row_tile < 1 || col_blocks <= per_row_tile) return 0;
+    const int64_t waves = (col_blocks + per_row_tile - 1) / per_row_tile;
+    return unsigned((col_blocks + waves - 1) / waves);
 }
 
 // The ring-fed kernel is the default; DFLASH_GEMM_STREAM=0 runs the register-fed one everywhere
@@ -580,6 +640,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         fail(DFLASH_STATUS_NOT_SUPPORTED, "gemm: ", col_blocks, " column blocks for N = ", N,
              " (a grid holds 65535)");
     const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
+    const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if constexpr (kSwiGLU && KS == 8) {
@@ -587,14 +648,21 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF>
-                                            : gemm_stream_kernel<KS, E, false, kM>)
-                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF>
-                                            : gemm_stream_kernel<KS, E, true, kM>)
-                                    : gemm_stream_kernel<KS, E, true, XLoad::Element>;
+            if (persist) {
+                auto *kernel = full ? gemm_stream_kernel<KS, E, true, kF, true> : gemm_stream_kernel<KS, E, true, kM, true>;
+                launch(kernel, dim3(grid.x, persist), kWarps * 32, stream_smem_bytes<KS, true, true>(), s, x, M, ldx,
+                       w, N, K, y, ldy, multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M),
+                       int64_t(col_blocks));
+                return;
+            }
+            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false>
+                                            : gemm_stream_kernel<KS, E, false, kM, false>)
+                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF, false>
+                                            : gemm_stream_kernel<KS, E, true, kM, false>)
+                                    : gemm_stream_kernel<KS, E, true, XLoad::Element, false>;
             const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
             launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
-                   logits_out, partial, pair, late_pdl_trigger(M));
+                   logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks));
         } else if constexpr (!kSwiGLU) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
