@@ -337,17 +337,17 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     const int64_t my_tiles = PERSIST ? (col_blocks - 1 - int64_t(blockIdx.y)) / gridDim.y + 1 : 1;
     const int64_t total = my_tiles * n_chunks;
 
-    // Chunk i of this warp's sequence (column block t = i / n_chunks, its chunk j = i % n_chunks) into
-    // ring slot i % S: kNt * 8 rows x 8 pieces of 16 bytes, 8 consecutive lanes per 128-byte row segment.
-    auto fill = [&](int64_t i) {
-        const int64_t t = PERSIST ? i / n_chunks : 0, j = i - t * n_chunks;
-        const int64_t col0 = PERSIST ? wt.template col0_of<kSwiGLU>(blockIdx.y + t * gridDim.y, pair) : wt.col0;
-        const int64_t c0 = (wt.c_begin + j) * kChunk;
-        unsigned char *slot = ring + (i % S) * kStageBytes;
-        const bool band_ok = col0 < N;  // a block's last groups may lie past N
+    // The warp's chunk sequence, filled in order (no division on the way): the next chunk to fill is chunk
+    // fj of column block f_cb, into ring slot fs; f_col0 its first column.
+    int64_t f_cb = blockIdx.y, f_col0 = wt.col0, f_j = 0, filled = 0;
+    int fs = 0;
+    auto fill_next = [&]() {
+        const int64_t c0 = (wt.c_begin + f_j) * kChunk;
+        unsigned char *slot = ring + fs * kStageBytes;
+        const bool band_ok = f_col0 < N;  // a block's last groups may lie past N
         if constexpr (TILED) {  // one 2 KB tile (band col0 / 16, chunk c_begin + j): piece p at p * 16 bytes
             const bf16 *tile =
-                w + (band_ok ? ((col0 / kTileRows) * k_chunks + wt.c_begin + j) * (kTileRows * kTileCols) : 0);
+                w + (band_ok ? ((f_col0 / kTileRows) * k_chunks + wt.c_begin + f_j) * (kTileRows * kTileCols) : 0);
 #pragma unroll
             for (int q = 0; q < kNt * 64 / 32; ++q) {
                 const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
@@ -357,15 +357,24 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
 #pragma unroll
             for (int q = 0; q < kNt * 64 / 32; ++q) {
                 const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
-                const int64_t n = col0 + r, k = c0 + part * 8;
+                const int64_t n = f_col0 + r, k = c0 + part * 8;
                 const bool ok = n < N && k < K;
                 cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
             }
         }
+        ++filled;
+        fs = fs + 1 == S ? 0 : fs + 1;
+        if (PERSIST && ++f_j == n_chunks) {  // on to this block's next column block
+            f_j = 0;
+            f_cb += gridDim.y;
+            f_col0 = wt.template col0_of<kSwiGLU>(f_cb, pair);
+        } else if (!PERSIST) {
+            ++f_j;
+        }
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
-        if (i < total) fill(i);
+        if (filled < total) fill_next();
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // The weights never change: their first chunks stream in while the kernels before this one
@@ -384,8 +393,15 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         else
             load16<false>(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
-    // x of sequence chunk i: the same k chunks in every column block.
-    auto x_c0 = [&](int64_t i) { return (wt.c_begin + (PERSIST ? i % n_chunks : i)) * kChunk; };
+    // x is read in sequence order too, the same k chunks in every column block: xj is the next x chunk.
+    int64_t xj = 0, x_loaded = 0;
+    auto load_x_next = [&](uint32_t out[2][8]) {
+        const int64_t c0 = (wt.c_begin + xj) * kChunk;
+        load_x(0, c0, out[0]);
+        load_x(1, c0, out[1]);
+        ++x_loaded;
+        xj = PERSIST && xj + 1 == n_chunks ? 0 : xj + 1;
+    };
     // x in registers, kXAhead chunks ahead of the mma: x comes from L1/L2 (at M = 16 as many bytes
     // as the weights), and one chunk ahead leaves that latency in every step; the tiled kernel's
     // register budget (2 blocks per SM) holds a second chunk, the row-major one's (3) does not.
@@ -393,27 +409,25 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     uint32_t xs[kXAhead][2][8] = {};  // xs[a]: rows g and g + 8 of chunk i + a
 #pragma unroll
     for (int a = 0; a < kXAhead; ++a)
-        if (a < total) {
-            load_x(0, x_c0(a), xs[a][0]);
-            load_x(1, x_c0(a), xs[a][1]);
-        }
+        if (x_loaded < total) load_x_next(xs[a]);
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
-    int64_t i = 0;
+    int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
         if (PERSIST && t > 0) {
             wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
             __syncthreads();  // the previous column block's finish_tile is done with red
         }
         float acc[kNt][4] = {};
-        for (int64_t j = 0; j < n_chunks; ++j, ++i) {
-            cp_async_wait<S - 2>();  // this lane's pieces of chunk i have landed
-            __syncwarp();            // ... and every lane's; all are done reading chunk i - 1
-            if (i + S - 1 < total) fill(i + S - 1);
+        for (int64_t j = 0; j < n_chunks; ++j) {
+            cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
+            __syncwarp();            // ... and every lane's; all are done reading the one before
+            if (filled < total) fill_next();  // into the slot read last step
             cp_async_commit();
 
             uint32_t wb[kNt][8];
-            const unsigned char *slot = ring + (i % S) * kStageBytes;
+            const unsigned char *slot = ring + rs * kStageBytes;
+            rs = rs + 1 == S ? 0 : rs + 1;
 #pragma unroll
             for (int nt = 0; nt < kNt; ++nt) {
                 const unsigned char *row = slot + (nt * 8 + wt.g) * kRowBytes + wt.q * 32;
@@ -422,11 +436,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 wb[nt][0] = v0.x, wb[nt][1] = v0.y, wb[nt][2] = v0.z, wb[nt][3] = v0.w;
                 wb[nt][4] = v1.x, wb[nt][5] = v1.y, wb[nt][6] = v1.z, wb[nt][7] = v1.w;
             }
-            uint32_t nx[2][8] = {};  // x of chunk i + kXAhead, loaded before this one's mma
-            if (i + kXAhead < total) {
-                load_x(0, x_c0(i + kXAhead), nx[0]);
-                load_x(1, x_c0(i + kXAhead), nx[1]);
-            }
+            uint32_t nx[2][8] = {};  // x kXAhead chunks on, loaded before this one's mma
+            if (x_loaded < total) load_x_next(nx);
             mma_chunk(acc, xs[0][0], xs[0][1], wb);
 #pragma unroll
             for (int a = 0; a < kXAhead; ++a)
