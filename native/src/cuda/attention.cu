@@ -257,17 +257,18 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
             }
         }
         __syncthreads();
+        // cp.async: every piece of the chunk in flight at once (register loads followed by shared stores
+        // went one piece after another: the stores may alias the generic cache pointers); zeros past the
+        // last key. The caches were written before pdl_wait, so these coherent L2 reads see them.
         for (int i = threadIdx.x; i < kTcKeys * kVecsPerRow; i += kTcWarps * 32) {
             const int j = i / kVecsPerRow, piece = i % kVecsPerRow;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
             const int64_t slot = slot_s[j];
-            if (slot >= 0) {
-                kv = *reinterpret_cast<const uint4 *>(kc + slot * kv_width + piece * 8);
-                vv = *reinterpret_cast<const uint4 *>(vc + slot * kv_width + piece * 8);
-            }
-            *reinterpret_cast<uint4 *>(k_s + j * kStride + piece * 8) = kv;
-            *reinterpret_cast<uint4 *>(v_s + j * kStride + piece * 8) = vv;
+            const bool ok = slot >= 0;
+            cp_async16(k_s + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
+            cp_async16(v_s + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
         }
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
         if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
 
