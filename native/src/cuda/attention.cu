@@ -167,7 +167,7 @@ attention_split_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_posi
 // Tensor-core path (head_dim 64 or 128): FlashAttention-2 style with mma.sync m16n8k16.
 // Block = 4 warps over one kv head, one key split and 64 query vectors (a warp owns 16 of them:
 // vector v = query row * group + head within the group). Per chunk of 64 keys the block stages K
-// and V with 16-byte loads (the slot of each key computed once), then each warp computes
+// and V with 16-byte cp.async copies (the slot of each key computed once), then each warp computes
 // S = Q K^T (fp32), the online softmax, and O += P V with P rounded to bf16.
 
 constexpr int kTcWarps = 4;
