@@ -49,6 +49,17 @@ def test_bench_variants(tmp_path):
     assert "| decode 8B target, 1 row, ctx 1024 |" in stdout
 
 
+def test_bench_variants_expand_the_environment(tmp_path):
+    """A variant's values expand $NAME (gpu_check.sh --ab: DFLASH_LIBRARY=$AB_LIBRARY loads another build's
+    library): a missing library fails that variant by name."""
+    env = {**os.environ, "AB_TEST_LIBRARY": str(tmp_path / "no_such_libdflash.so")}
+    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--iters", "2", "--rounds", "1", "--rows", "decode",
+                           "--variants", "DFLASH_LIBRARY=$AB_TEST_LIBRARY"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "no_such_libdflash.so" in proc.stdout + proc.stderr  # expanded: the path, not $AB_TEST_LIBRARY
+
+
 def test_bench_variants_reject_a_bad_setting(tmp_path):
     proc = subprocess.run([sys.executable, BENCH, "--tiny", "--variants", "default;NOT_A_SETTING"],
                           capture_output=True, text=True, timeout=60)

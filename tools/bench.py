@@ -583,7 +583,7 @@ def parse_variant(text):
         name, sep, value = item.strip().partition("=")
         if not sep or not name:
             raise SystemExit(f"--variants: '{item}' is not NAME=VALUE")
-        env[name] = value
+        env[name] = os.path.expandvars(value)  # e.g. DFLASH_LIBRARY=$AB_LIBRARY (gpu_check.sh --ab)
     return text, env
 
 

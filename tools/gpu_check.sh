@@ -28,6 +28,9 @@
 #   --bench "ARGS"       after pytest, run tools/bench.py ARGS (issue 5's speed table; "" for its defaults),
 #                        writing $OUT/bench.json, bench.png and logs/bench.log
 #   --then "CMD"         after the bench, run CMD (bash -c, repo root, PYTHONPATH with pydflash) as stage "then"
+#   --ab                 also build the library of build/ab/src.tar.gz (tools/ab_source.sh REV; carry build/ab) and
+#                        export AB_LIBRARY (its libdflash.so) and AB_REV for --bench / --then, e.g. --then
+#                        "python3 -P tools/bench.py --variants 'default;DFLASH_LIBRARY=\$AB_LIBRARY' --rows verify"
 #   --lean               bring back fewer files (no summary.json, bench.png, logs/bench.log), leaving
 #                        room under $OUT for what --then writes (the device tool returns at most 8)
 #   --seed N             test_ops seed (default: the clock; printed and recorded either way)
@@ -55,7 +58,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 
-QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 SAN_PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN="" LEAN=0
+QUICK=0 SANITIZE=1 ONLY_OPS=0 PYTEST=1 SAN_PYTEST=1 OPS=1 BENCH=0 BENCH_ARGS="" THEN="" LEAN=0 AB=0
 SANITIZERS=memcheck,racecheck,initcheck,synccheck
 OPS_ARGS="" OPS_SAN_LEVEL=quick PYTEST_ARGS="" SEED="" BUDGET=${GPU_CHECK_BUDGET:-560}
 while [[ $# -gt 0 ]]; do
@@ -69,6 +72,7 @@ while [[ $# -gt 0 ]]; do
         --bench) BENCH=1; BENCH_ARGS=$2; shift ;;
         --then) THEN=$2; shift ;;
         --lean) LEAN=1 ;;
+        --ab) AB=1 ;;
         --sanitizers) SANITIZERS=$2; shift ;;
         --ops-args) OPS_ARGS=$2; shift ;;
         --ops-san-level) OPS_SAN_LEVEL=$2; shift ;;
@@ -295,6 +299,24 @@ fi
 record build "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" build.log $STAGE_NOTE
 BUILD_OK=0
 if [[ $STAGE_STATUS == ok && -x $TEST_OPS ]]; then BUILD_OK=1; else fail_stage; fi
+
+# The other side of an A/B (--ab): the library of tools/ab_source.sh's revision, built the way pip builds
+# this tree's (Release, sm_90), next to it; bench.py --variants then loads it through DFLASH_LIBRARY.
+if (( AB )); then
+    AB_SRC=$WORK/ab_src AB_BUILD=$WORK/ab_build
+    if [[ -f build/ab/src.tar.gz ]]; then
+        run_stage ab_build "$LOGS/ab_build.log" bash -c "rm -rf '$AB_SRC' && mkdir -p '$AB_SRC' && \
+            tar xzf build/ab/src.tar.gz -C '$AB_SRC' && cmake -S '$AB_SRC' -B '$AB_BUILD' -DDFLASH_CUDA=ON \
+            -DDFLASH_CUDA_ARCHITECTURES=90-real -DCMAKE_BUILD_TYPE=Release && \
+            cmake --build '$AB_BUILD' --target dflash -j $(nproc)"
+    else
+        echo "=== ab_build: build/ab/src.tar.gz is missing (tools/ab_source.sh REV, carry build/ab)"
+        STAGE_STATUS=failed STAGE_RC=2 STAGE_SECS=0 STAGE_NOTE=reason=no-source
+    fi
+    export AB_LIBRARY=$AB_BUILD/libdflash.so AB_REV="$(cat build/ab/rev 2>/dev/null)"
+    record ab_build "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" ab_build.log "rev=$AB_REV" $STAGE_NOTE
+    if [[ $STAGE_STATUS == ok && -f $AB_LIBRARY ]]; then echo "gpu_check: AB_LIBRARY=$AB_LIBRARY ($AB_REV)"; else fail_stage; fi
+fi
 
 # ------------------------------------------------------------------------------------------------
 # 3. Device memory before
