@@ -228,7 +228,7 @@ EOF
     # Individual logs travel as one archive (the device tool returns at most 8 files).
     tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 }
-ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST san_pytest=$SAN_PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
+ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH ab=$AB bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST san_pytest=$SAN_PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
 trap 'summarize "$ALL_ARGS"' EXIT
 
 fail_stage() { OVERALL_OK=0; }
