@@ -662,21 +662,19 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            if (persist) {
-                auto *kernel = full ? gemm_stream_kernel<KS, E, true, kF, true> : gemm_stream_kernel<KS, E, true, kM, true>;
-                launch(kernel, dim3(grid.x, persist), kWarps * 32, stream_smem_bytes<KS, true, true>(), s, x, M, ldx,
-                       w, N, K, y, ldy, multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M),
-                       int64_t(col_blocks));
-                return;
-            }
-            auto *kernel = !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false>
-                                            : gemm_stream_kernel<KS, E, false, kM, false>)
-                           : x_vec  ? (full ? gemm_stream_kernel<KS, E, true, kF, false>
-                                            : gemm_stream_kernel<KS, E, true, kM, false>)
-                                    : gemm_stream_kernel<KS, E, true, XLoad::Element, false>;
-            const size_t smem = w_tiled ? stream_smem_bytes<KS, true>() : stream_smem_bytes<KS, false>();
-            launch(kernel, grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
-                   logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks));
+            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true>
+                                            : gemm_stream_kernel<KS, E, true, kM, true>)
+                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false>
+                                              : gemm_stream_kernel<KS, E, false, kM, false>)
+                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false>
+                                              : gemm_stream_kernel<KS, E, true, kM, false>)
+                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false>;
+            // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
+            const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
+                                : w_tiled ? stream_smem_bytes<KS, true>()
+                                          : stream_smem_bytes<KS, false>();
+            launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
+                   multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks));
         } else if constexpr (!kSwiGLU) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
