@@ -520,20 +520,27 @@ Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     return p;
 }
 
-// The opt-in for more than 48 KB of dynamic shared memory, for every tensor-core instantiation; once per
-// process (the attribute holds for every device of it).
-void allow_tc_smem() {
-    static const bool done = [] {
-        auto allow = [](auto kernel, size_t bytes) {
+// The opt-in for more than 48 KB of dynamic shared memory, for every tensor-core instantiation that fits
+// the device (3 stages of head_dim 128 take 104 KB: sm_86 and sm_89 allow 99); once per process, for the
+// device current then. Returns whether 3 stages of head_dim `hd` fit.
+bool allow_tc_smem(int64_t hd) {
+    static const int fits3 = [] {  // bit 0: head_dim 64, bit 1: head_dim 128
+        int device = 0, optin = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        auto allow = [&](auto kernel, size_t bytes) {
+            if (bytes > size_t(optin)) return false;
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+            return true;
         };
-        allow(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>());
-        allow(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>());
-        allow(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>());
-        allow(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>());
-        return true;
+        if (!allow(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>()) ||
+            !allow(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>()))
+            fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", tc_smem_bytes<128, 2>(),
+                 " bytes of shared memory per block needed, the device allows ", optin);
+        return (allow(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>()) ? 1 : 0) |
+               (allow(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>()) ? 2 : 0);
     }();
-    (void)done;
+    return fits3 & (hd == 128 ? 2 : 1);
 }
 
 size_t smem_bytes(int64_t hd) {
@@ -578,12 +585,12 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         // 3 stages where a split may read 3 chunks or more (by the ring's capacity, never the key count),
         // else 2: the stage count changes when bytes arrive, never the sums.
         const int64_t chunks = (capacity(keys) + kTcKeys - 1) / kTcKeys;
-        const bool deep = (chunks + p.splits - 1) / p.splits >= 3;
+        const bool fits3 = allow_tc_smem(head_dim);  // sets the shared-memory opt-ins (first call)
+        const bool deep = (chunks + p.splits - 1) / p.splits >= 3 && fits3;
         auto go = [&](auto kernel, size_t smem) {
             launch(kernel, grid, kTcWarps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
                    int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
         };
-        allow_tc_smem();
         if (head_dim == 128)
             deep ? go(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>())
                  : go(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>());
