@@ -180,19 +180,31 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
+// Dynamic shared memory of attention_tc_kernel<HD, S>: S stages of K and V chunks (kTcKeys rows of HD + kTcPad
+// bf16 each) and their key positions, then the slots of the chunk being staged.
 template <int HD>
+__host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKeys * (HD + kTcPad) * sizeof(bf16) + kTcKeys * sizeof(int32_t); }
+template <int HD, int S>
+__host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
+
+// S stages (2 or 3): chunk i + S - 1 is staged (cp.async) while chunk i is computed, so a split that reads
+// several chunks (long contexts) keeps S - 1 of them in flight. Its keys' slots and positions are loaded into
+// registers one chunk earlier still (key_slot's block-table read then never waits in the loop).
+template <int HD, int S>
 __global__ void __launch_bounds__(kTcWarps * 32)
 attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                     PagedKeys keys, float *out_part, Split *ml_part) {
+    static_assert(S >= 2, "one chunk in flight at least");
     pdl_prologue();
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8; // n8 tiles of O
-    __shared__ __align__(16) bf16 k_s[kTcKeys * kStride];
-    __shared__ __align__(16) bf16 v_s[kTcKeys * kStride];
-    __shared__ int64_t slot_s[kTcKeys];
-    __shared__ int32_t kpos_s[kTcKeys];
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
+    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
+    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
+    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());  // the chunk being staged
 
     const int group = n_heads / n_kv_heads;
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -242,35 +254,67 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
     constexpr int kVecsPerRow = HD / 8;  // 16-byte pieces per key row
 
-    for (int64_t chunk = int64_t(split) * kTcKeys; chunk < key_end; chunk += stride) {
-        const int n_keys = int(min(int64_t(kTcKeys), key_end - chunk));
-        __syncthreads();  // the previous chunk is consumed
-        if (threadIdx.x < kTcKeys) {
-            const int j = threadIdx.x;
-            if (j < n_keys) {
-                const int64_t ring = key_ring(keys, chunk + j);
-                slot_s[j] = key_slot(keys, ring);
-                kpos_s[j] = keys.slot_positions[ring];
-            } else {
-                slot_s[j] = -1;
-                kpos_s[j] = 0;
-            }
+    // Chunk c of this split: keys [first(c), first(c) + n_keys(c)), first(c) = split * kTcKeys + c * stride.
+    const int64_t first0 = int64_t(split) * kTcKeys;
+    const int n_chunks = int((key_end - first0 + stride - 1) / stride);
+    auto n_keys_of = [&](int c) { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); };
+    // Threads j < kTcKeys: key j's block-table entry and position for chunk c, in registers (pend_*), then its
+    // slot into slot_s and its position into stage st (stage_keys).
+    int32_t pend_block = -1, pend_pos = 0;
+    int64_t pend_ring = 0;
+    auto load_keys = [&](int c) {
+        const int j = threadIdx.x;
+        pend_block = -1;
+        if (j < kTcKeys && c < n_chunks && j < n_keys_of(c)) {
+            pend_ring = key_ring(keys, first0 + c * stride + j);
+            pend_block = keys.block_table[pend_ring / keys.block_size];
+            pend_pos = keys.slot_positions[pend_ring];
         }
-        __syncthreads();
-        // cp.async: every piece of the chunk in flight at once (register loads followed by shared stores
-        // went one piece after another: the stores may alias the generic cache pointers); zeros past the
-        // last key. The caches were written before pdl_wait, so these coherent L2 reads see them.
+    };
+    auto stage_keys = [&](int st) {
+        const int j = threadIdx.x;
+        if (j < kTcKeys) {
+            const bool ok = pend_block >= 0;
+            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
+            kpos_stage(st)[j] = ok ? pend_pos : 0;
+        }
+    };
+    // Chunk c's K and V into stage st by cp.async (slot_s: its slots), zeros past the last key: every piece
+    // in flight at once. The caches were written before pdl_wait, so these coherent L2 reads see them.
+    auto stage_kv = [&](int st) {
+        bf16 *ks = k_stage(st), *vs = v_stage(st);
         for (int i = threadIdx.x; i < kTcKeys * kVecsPerRow; i += kTcWarps * 32) {
             const int j = i / kVecsPerRow, piece = i % kVecsPerRow;
             const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
-            cp_async16(k_s + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
-            cp_async16(v_s + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
+            cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
+            cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
         }
+    };
+    // Prologue: chunks 0 .. S - 2 staged (one cp.async group each, empty past the last chunk).
+    load_keys(0);
+#pragma unroll
+    for (int c = 0; c < S - 1; ++c) {
+        if (c > 0) __syncthreads();  // chunk c - 1's copies have read slot_s
+        stage_keys(c);
+        load_keys(c + 1);
+        __syncthreads();  // slot_s written
+        if (c < n_chunks) stage_kv(c);
         cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+    }
+    for (int i = 0; i < n_chunks; ++i) {
+        cp_async_wait<S - 2>();  // this thread's copies of chunk i have landed
+        __syncthreads();         // everyone's; and chunk i - 1 is consumed, its stage free; slot_s read
+        const int c = i + S - 1, st = c % S;  // the chunk staged now, into chunk i - 1's stage
+        stage_keys(st);
+        load_keys(c + 1);
+        __syncthreads();  // slot_s written
+        if (c < n_chunks) stage_kv(st);
+        cp_async_commit();
         if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
+        const int n_keys = n_keys_of(i);
+        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
+        const int32_t *kpos_st = kpos_stage(i % S);
 
         // S = Q K^T: 8 key tiles of 8.
         float sc[kTcKeys / 8][4];
@@ -278,7 +322,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         for (int nt = 0; nt < kTcKeys / 8; ++nt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) sc[nt][i] = 0.f;
-            const bf16 *krow = k_s + (nt * 8 + g) * kStride + 2 * qd;
+            const bf16 *krow = kst + (nt * 8 + g) * kStride + 2 * qd;
 #pragma unroll
             for (int kk = 0; kk < kSteps; ++kk) {
                 const uint32_t b0 = *reinterpret_cast<const uint32_t *>(krow + kk * 16);
@@ -293,7 +337,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int h = i >> 1, j = nt * 8 + 2 * qd + (i & 1);
-                const bool ok = vec_ok[h] && j < n_keys && visible(qpos[h], kpos_s[j], causal, window);
+                const bool ok = vec_ok[h] && j < n_keys && visible(qpos[h], kpos_st[j], causal, window);
                 sc[nt][i] = ok ? sc[nt][i] * scale : -INFINITY;
                 cmax[h] = fmaxf(cmax[h], sc[nt][i]);
             }
@@ -338,7 +382,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
 #pragma unroll
             for (int t = 0; t < kDimTiles; ++t) {
                 const uint32_t addr = static_cast<uint32_t>(
-                    __cvta_generic_to_shared(v_s + key * kStride + t * 8));
+                    __cvta_generic_to_shared(vst + key * kStride + t * 8));
                 uint32_t b0, b1;
                 asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                              : "=r"(b0), "=r"(b1)
@@ -476,6 +520,29 @@ Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     return p;
 }
 
+// The opt-in for more than 48 KB of dynamic shared memory, for every tensor-core instantiation that fits
+// the device (3 stages of head_dim 128 take 104 KB: sm_86 and sm_89 allow 99); once per process, for the
+// device current then. Returns whether 3 stages of head_dim `hd` fit.
+bool allow_tc_smem(int64_t hd) {
+    static const int fits3 = [] {  // bit 0: head_dim 64, bit 1: head_dim 128
+        int device = 0, optin = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        auto allow = [&](auto kernel, size_t bytes) {
+            if (bytes > size_t(optin)) return false;
+            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+            return true;
+        };
+        if (!allow(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>()) ||
+            !allow(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>()))
+            fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", tc_smem_bytes<128, 2>(),
+                 " bytes of shared memory per block needed, the device allows ", optin);
+        return (allow(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>()) ? 1 : 0) |
+               (allow(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>()) ? 2 : 0);
+    }();
+    return fits3 & (hd == 128 ? 2 : 1);
+}
+
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
            kKeysPerChunk * sizeof(int32_t);
@@ -515,14 +582,21 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         (reinterpret_cast<uintptr_t>(out_part + parts * size_t(head_dim)) + 7) & ~uintptr_t(7));
     if (tc) {
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
+        // 3 stages where a split may read 3 chunks or more (by the ring's capacity, never the key count),
+        // else 2: the stage count changes when bytes arrive, never the sums.
+        const int64_t chunks = (capacity(keys) + kTcKeys - 1) / kTcKeys;
+        const bool fits3 = allow_tc_smem(head_dim);  // sets the shared-memory opt-ins (first call)
+        const bool deep = (chunks + p.splits - 1) / p.splits >= 3 && fits3;
+        auto go = [&](auto kernel, size_t smem) {
+            launch(kernel, grid, kTcWarps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
+                   int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
+        };
         if (head_dim == 128)
-            launch(attention_tc_kernel<128>, grid, kTcWarps * 32, 0, s,
-                q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
-                mask.window, keys, out_part, ml_part);
+            deep ? go(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>())
+                 : go(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>());
         else
-            launch(attention_tc_kernel<64>, grid, kTcWarps * 32, 0, s,
-                q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal,
-                mask.window, keys, out_part, ml_part);
+            deep ? go(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>())
+                 : go(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>());
     } else {
         const size_t smem = smem_bytes(head_dim);
         static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
