@@ -23,8 +23,8 @@ N_RANDOM_CASES = 48
 HIDDEN_RTOL = 1e-4
 
 
-def random_case(seed):
-    """Drafter/target shapes and a schedule, drawn from `seed` (printed on failure)."""
+def random_case(seed, dtype=None):
+    """Drafter/target shapes and a schedule, drawn from `seed` (printed on failure); dtype overrides the drawn one."""
     rng = random.Random(seed)
     heads, kv_heads = rng.choice([(4, 1), (4, 2), (4, 4), (8, 2), (8, 1), (2, 2)])
     head_dim = rng.choice([64, 128]) if seed % 3 else 32
@@ -68,6 +68,8 @@ def random_case(seed):
         ctx_chunk_rows=rng.choice([0, rng.randint(1, 20)]),
     )
     schedule = dict(prompt_len=rng.randint(1, 60), steps=rng.randint(3, 9), seed=seed)
+    if dtype:
+        kw["dtype"] = dtype
     return kw, engine, schedule
 
 

@@ -102,7 +102,7 @@ class _OracleSequence:
 # Random configs
 # ----------------------------------------------------------------------------------------------------------------
 
-def random_target(seed):
+def random_target(seed, dtype=None):
     rng = random.Random(seed)
     heads, kv_heads = rng.choice([(4, 1), (4, 2), (4, 4), (8, 2), (8, 1), (2, 2), (8, 4), (2, 1)])
     head_dim = [32, 64, 128][seed % 3]
@@ -111,6 +111,8 @@ def random_target(seed):
               num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=rng.choice([96, 160, 256]),
               tie_word_embeddings=rng.random() < 0.35, rope_theta=rng.choice([10000.0, 500000.0]),
               dtype=rng.choice(["bfloat16", "bfloat16", "float32"]), seed=seed)
+    if dtype:
+        kw["dtype"] = dtype
     if kw["arch"] == "llama" and rng.random() < 0.5:
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": rng.choice([4.0, 8.0]), "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0,
@@ -206,8 +208,8 @@ def check_against_reference(what, result, ref_lengths, details):
         assert ours == theirs, f"{what}: step {k} drafted {ours}, dflash_generate drafted {theirs}"
 
 
-def run_case(seed, root):
-    target_kw = random_target(seed)
+def run_case(seed, root, dtype=None):
+    target_kw = random_target(seed, dtype)
     run = random_run(seed, target_kw)
     rng = run["rng"]
     vocab, max_new = target_kw["vocab_size"], run["max_new_tokens"]
@@ -215,7 +217,7 @@ def run_case(seed, root):
     target_dir = make_checkpoint.make_target(str(root / "target"), **target_kw)
     # The continuation runs one block past max_new_tokens, so the oracle drafter always has drafts to give.
     prompt, cont = well_conditioned_prompt(target_dir, vocab, run["prompt_len"], max_new + 17, rng)
-    draft_kw = dict(run["drafter"], seed=seed + 1)
+    draft_kw = dict(run["drafter"], seed=seed + 1, **({"dtype": dtype} if dtype else {}))
     if run["mask_trick"]:
         draft_kw["mask_token_id"] = collections.Counter(cont[:max_new]).most_common(1)[0][0]
     draft_dir = make_checkpoint.make_drafter(str(root / "draft"), target_dir=target_dir, **draft_kw)

@@ -93,6 +93,17 @@ struct PagedKeys {
 // throughput kernel whose sums run in another order.
 enum class GemmRows { Uniform, Wide };
 
+// What a GEMM does around its product, where the model folds RMSNorms into GEMMs
+// (Backend::folds_norms). norm_eps > 0: each x row is RMS-normed on the way in, its norm's weight
+// already folded into w's columns (Backend::fold_norm), so y = (x . w^T) * rsqrt(mean(x^2) + eps).
+// accumulate: y += the product (the product rounded to the activation dtype first, then the sum, as
+// a gemm then add rounds them): the residual add that ends an attention or MLP block.
+struct GemmFuse {
+    float norm_eps = 0.f;
+    bool accumulate = false;
+    bool any() const { return norm_eps > 0.f || accumulate; }
+};
+
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.
 class Graph {
@@ -149,9 +160,21 @@ public:
     // rows are ld_x / ld_y elements apart. y may alias x.
     virtual void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
                           WeightView w, float eps, void *y, int64_t ld_y) = 0;
-    // y[m, w.rows] = x[m, w.cols] @ w^T.  Row strides ldx, ldy (elements). rows: see GemmRows.
+    // y[m, w.rows] = x[m, w.cols] @ w^T.  Row strides ldx, ldy (elements). rows: see GemmRows;
+    // fuse: see GemmFuse (accumulate needs ldy == w.rows).
     virtual void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy,
-                      GemmRows rows = GemmRows::Uniform) = 0;
+                      GemmRows rows = GemmRows::Uniform, GemmFuse fuse = {}) = 0;
+    // Whether the model is to fold each RMSNorm that feeds a GEMM into that GEMM (GemmFuse): the
+    // norm's weight into the GEMM weight's columns at finalize (fold_norm), the norm's statistics into
+    // the GEMM's pass over x, and the residual add after a GEMM into its store. Off by default; the
+    // cuda backend folds (DFLASH_FUSED_NORM=0 keeps the separate norm kernels); the host backend
+    // folds where DFLASH_HOST_FOLD=1, so the CPU tests cover the models' side of it.
+    virtual bool folds_norms() const { return false; }
+    // In place on the row-major matrix w: w[r, c] *= g[c] (rounded to w's dtype).
+    virtual void fold_norm(WeightView w, WeightView g) {
+        (void)w, (void)g;
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "this backend does not fold norms into GEMM weights");
+    }
     // In-place rotate-half RoPE of x[rows, heads, head_dim] (row stride ld) at positions[rows]
     // (device); cos/sin = cos/sin(pos * inv_freq[head_dim/2]) * attention_factor.
     virtual void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -209,9 +232,12 @@ public:
     // out[m, inter] = swiglu(x . gate_up^T) with the fused [gate; up] weight ([2 * inter, k]):
     // gemm into gate_up_scratch ([m, 2 * inter]), then swiglu; a backend may fuse the two (same
     // roundings), and then leaves the scratch unused.
+    // fuse.norm_eps as gemm's (accumulate is not taken).
     virtual void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
-                             void *gate_up_scratch, void *out, GemmRows rows = GemmRows::Uniform) {
-        gemm(x, m, ldx, gate_up, gate_up_scratch, 2 * inter, rows);
+                             void *gate_up_scratch, void *out, GemmRows rows = GemmRows::Uniform,
+                             GemmFuse fuse = {}) {
+        if (fuse.accumulate) fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu does not accumulate");
+        gemm(x, m, ldx, gate_up, gate_up_scratch, 2 * inter, rows, fuse);
         swiglu(gate_up_scratch, m, inter, out);
     }
     // tokens[m] = argmax_v softcap(h[m] . lm_head[v] * multiplier); full logits never stored.

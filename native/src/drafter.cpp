@@ -154,6 +154,12 @@ void Drafter::finalize() {
     for (int i = 0; i < L; ++i)
         gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                               layer_name(i, "mlp.up_proj.weight")}));
+    // Where the backend folds norms, each layer's post-attention norm goes into its gate/up weight (see
+    // Target::finalize). The input norm stays a kernel: its output feeds q and the block's K/V, whose
+    // weight the context rows share unnormed.
+    const bool fold = backend_->folds_norms();
+    for (int i = 0; fold && i < L; ++i)
+        backend_->fold_norm(gate_up[size_t(i)].view(), weights_.view(layer_name(i, "post_attention_layernorm.weight")));
     // GEMM weights in the backend's streaming layout (a no-op on the host; see Target::finalize).
     if ((2 * kv_width_) % kTileRows == 0)  // propose slices it by layer (2 * kv_width rows)
         fused_kv = weights_.tiled_for_gemm(std::move(fused_kv));
@@ -195,6 +201,7 @@ void Drafter::finalize() {
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     ctx_h_ = std::move(ctx_h); ctx_kv_ = std::move(ctx_kv); step_i32_ = std::move(step);
     probs_ = std::move(probs);
+    folded_ = fold;
     for (const auto &n : kv_names) weights_.erase(n);
     layers_.clear();
     for (int i = 0; i < L; ++i) {
@@ -454,14 +461,23 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         AttentionMask mask{layer.causal, layer.window};
         backend_->attention(q_.get(), q_width_, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
                             keys, attn_.get());
-        backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
-        backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
-        backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                              mlp_.get());
-        backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
-        backend_->add_rms_norm(x_.get(), xn_.get(), width, H,
-                               l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight"), eps,
-                               xn_.get());
+        const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
+        if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
+            backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, x_.get(), H, GemmRows::Uniform,
+                           GemmFuse{0.f, true});
+            backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                  mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false});
+            backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, x_.get(), H, GemmRows::Uniform,
+                           GemmFuse{0.f, true});
+            backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);
+        } else {
+            backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
+            backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
+            backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                  mlp_.get());
+            backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
+            backend_->add_rms_norm(x_.get(), xn_.get(), width, H, next_norm, eps, xn_.get());
+        }
     }
     if (sample) {  // independent draws from q, which verify then uses as the proposal
         float *q = probs_.as<float>();

@@ -128,6 +128,7 @@ private:
     WeightStore weights_;
     std::shared_ptr<const SharedHead> shared_;
     bool finalized_ = false;
+    bool folded_ = false;  // post-attention norms folded into the gate/up weights (Backend::folds_norms)
 
     // built by finalize
     WeightStore::Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...

@@ -103,6 +103,15 @@ void Target::finalize() {
         fused.push_back(weights_->fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                              layer_name(i, "mlp.up_proj.weight")}));
     }
+    // Where the backend folds norms (Backend::folds_norms), each layer's input norm goes into its
+    // q/k/v weight and its post-attention norm into its gate/up weight (the fused copies: the store's
+    // tensors stay as loaded, so a retried finalize folds once).
+    const bool fold = backend_->folds_norms();
+    for (int i = 0; fold && i < L; ++i) {
+        backend_->fold_norm(fused[size_t(2 * i)].view(), weights_->view(layer_name(i, "input_layernorm.weight")));
+        backend_->fold_norm(fused[size_t(2 * i + 1)].view(),
+                            weights_->view(layer_name(i, "post_attention_layernorm.weight")));
+    }
     // GEMM weights in the backend's streaming layout (a no-op on the host; the store's tensors are
     // tiled in place, idempotently, so a finalize that fails later can simply be retried).
     for (auto &t : fused) t = weights_->tiled_for_gemm(std::move(t));
@@ -145,6 +154,7 @@ void Target::finalize() {
     x_ = std::move(x); xn_ = std::move(xn); qkv_ = std::move(qkv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     logits_ = std::move(logits); step_i32_ = std::move(step);
+    folded_ = fold;
     layers_.clear();
     for (int i = 0; i < L; ++i) {
         for (const char *n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -252,11 +262,13 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
-        // Each layer's input norm is fused with the residual add that ends the layer before it.
-        backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
+        // Folded (folded_): the q/k/v and gate/up GEMMs norm x_ themselves and o_proj / down add into
+        // x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
+        const GemmFuse normed{folded_ ? eps : 0.f, false}, residual{0.f, true};
+        if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
-            backend_->gemm(xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows);
+            backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows, normed);
             backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
                                           qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
@@ -266,15 +278,23 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
             keys.v_cache = v_cache_[size_t(l)].get();
             backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                                 AttentionMask{true, 0}, keys, attn_.get());
-            backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H, gemm_rows);
-            backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
-            backend_->gemm_swiglu(xn_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                  mlp_.get(), gemm_rows);
-            backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H, gemm_rows);
             const bool last = l + 1 == p_.num_layers;
-            backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
-                                   last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm,
-                                   eps, xn_.get());
+            if (folded_) {
+                backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, residual);
+                backend_->gemm_swiglu(x_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                      mlp_.get(), gemm_rows, normed);
+                backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, x_.get(), H, gemm_rows, residual);
+                if (last) backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
+            } else {
+                backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H, gemm_rows);
+                backend_->add_rms_norm(x_.get(), xn_.get(), n, H, layer.post_norm, eps, xn_.get());
+                backend_->gemm_swiglu(xn_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                      mlp_.get(), gemm_rows);
+                backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, xn_.get(), H, gemm_rows);
+                backend_->add_rms_norm(x_.get(), xn_.get(), n, H,
+                                       last ? weights_->view("norm.weight") : layers_[size_t(l) + 1].input_norm,
+                                       eps, xn_.get());
+            }
             // HF's hidden_states[l + 1] is this layer's output, except the last, which is normed.
             if (!last) capture_layer(l, x_.get());
         }

@@ -88,6 +88,7 @@ private:
     dflash_target_params p_;
     std::shared_ptr<WeightStore> weights_;
     bool finalized_ = false;
+    bool folded_ = false;  // norms folded into the q/k/v and gate/up weights (Backend::folds_norms)
     int64_t q_width_ = 0, kv_width_ = 0;
     int64_t qkv_width() const { return q_width_ + 2 * kv_width_; }
     int32_t max_rows_ = 0, blocks_per_seq_ = 0;

@@ -501,10 +501,12 @@ public:
     }
     // The tiled GEMM layout (backend.hpp): the host backend tiles and reads tiled views itself.
     void tile_gemm_weight(const WeightView &src, void *dst) override { h_->tile_gemm_weight(src, dst); }
-    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows) override {
+    void fold_norm(WeightView w, WeightView g) override { h_->fold_norm(w, g); }
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows,
+              GemmFuse fuse) override {
         std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
         std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
-        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy);
+        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy, GemmRows::Uniform, fuse);
         put(y, yf, "gemm");
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
@@ -978,8 +980,9 @@ void test_gemm_rows_agree() {
     if (g_opt.level == SMOKE) shapes = {{300, 136, false}, {640, 136, true}};
     for (const Shape &sh : shapes)
         for (bool tiled : {false, true})
+          for (bool norm : {false, true})  // norm: a folded RMSNorm (GemmFuse): each row's own sum of squares
             g.run(cat(sh.swiglu ? "gemm_swiglu inter=" : "gemm N=", sh.n, " K=", sh.k, tiled ? " tiled" : "",
-                      ": M=16 rows vs M=1, 7, 33"),
+                      norm ? " norm" : "", ": M=16 rows vs M=1, 7, 33"),
                   [&](Case &c) {
                       Backend &be = *C;
                       const int64_t w_rows = sh.swiglu ? 2 * sh.n : sh.n, k = sh.k, n = sh.n;
@@ -994,10 +997,11 @@ void test_gemm_rows_agree() {
                       auto rows = [&](int64_t row0, int64_t m) {
                           DeviceBuffer y = poisoned(be, size_t(m * n) * act_size(be));
                           const char *xr = static_cast<const char *>(xc.get()) + size_t(row0 * k) * act_size(be);
+                          const GemmFuse fuse{norm ? 1e-6f : 0.f, false};
                           if (sh.swiglu)
-                              be.gemm_swiglu(xr, m, k, wc.view, n, scratch.get(), y.get());
+                              be.gemm_swiglu(xr, m, k, wc.view, n, scratch.get(), y.get(), GemmRows::Uniform, fuse);
                           else
-                              be.gemm(xr, m, k, wc.view, y.get(), n);
+                              be.gemm(xr, m, k, wc.view, y.get(), n, GemmRows::Uniform, fuse);
                           sync(be);
                           return download_act(be, y.get(), size_t(m * n));
                       };
@@ -1054,6 +1058,81 @@ void test_gemm_swiglu() {
                           c.close("out", out.got, out.ref, kTolBf16);
                       });
             }
+}
+
+// Norms folded into GEMMs (GemmFuse, Backend::folds_norms) against the host's: the GEMM that norms its rows
+// (x unnormed, at residual-stream scale), the one that accumulates into y (the residual add), both, and the
+// fused SwiGLU that norms; row-major and tiled weights, one and several row tiles, the persistent launch
+// (12288 x 1024 tiled), slices of one k chunk (K = 136: 3 chunks, the last partial). Then the ops' fallbacks,
+// which the cuda backend composes from its unfused kernels: prefill rows (the wide GEMM, M = 100) and x the
+// ring-fed kernel cannot stream (K % 8 != 0, row-major). Then fold_norm itself (bf16-rounded products).
+void test_gemm_fused() {
+    Group g("gemm_fused");
+    if (!g.enabled()) return;
+    struct Shape { int64_t m, n, k; bool swiglu; };  // swiglu: n is the intermediate size
+    std::vector<Shape> shapes = {{1, 300, 136, false},    {7, 2056, 1024, false},  {16, 64, 4096, false},
+                                 {17, 12288, 1024, false}, {16, 12288, 1024, false}, {1, 640, 136, true},
+                                 {16, 1024, 512, true},    {17, 12288, 1024, true},  {100, 300, 136, false},
+                                 {100, 640, 136, true},    {7, 300, 100, false}};
+    if (g_opt.level <= QUICK)
+        shapes = {{1, 300, 136, false}, {17, 12288, 1024, false}, {16, 1024, 512, true}, {100, 300, 136, false},
+                  {7, 300, 100, false}};
+    struct Mode { bool norm, accumulate; const char *name; };
+    const Mode modes[] = {{true, false, "norm"}, {false, true, "accumulate"}, {true, true, "norm+accumulate"}};
+    for (const Shape &sh : shapes)
+        for (bool tiled : {false, true})
+            for (const Mode &mode : modes) {
+                if (sh.swiglu && mode.accumulate) continue;
+                const bool wide = sh.m == 100;  // prefill rows: GemmRows::Wide (gemm_wide.cu's kWideMinRows is 48)
+                g.run(cat(sh.swiglu ? "gemm_swiglu" : "gemm", " ", mode.name, " M=", sh.m, sh.swiglu ? " inter=" : " N=",
+                          sh.n, " K=", sh.k, tiled ? " tiled" : "", wide ? " (wide: unfused)" : "",
+                          sh.k % 8 ? " (K % 8: unfused when row-major)" : ""),
+                      [&](Case &c) {
+                          const int64_t m = sh.m, k = sh.k, w_rows = sh.swiglu ? 2 * sh.n : sh.n;
+                          const int64_t out_cols = sh.n;
+                          const std::vector<float> x = c.rng.bf16_normal(size_t(m * k), mode.norm ? 4.f : 1.f);
+                          const std::vector<float> w = c.rng.bf16_normal(size_t(w_rows * k), 1.f / std::sqrt(float(k)));
+                          const std::vector<float> y0 = c.rng.bf16_normal(size_t(m * out_cols), 2.f);
+                          Weight w_h = upload_weight(*H, w, w_rows, k), w_c = upload_weight(*C, w, w_rows, k);
+                          if (tiled) w_c = tiled_weight(*C, w_c);
+                          DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
+                          DeviceBuffer y_h = mode.accumulate ? upload_act(*H, y0) : poisoned(*H, y0.size() * act_size(*H));
+                          DeviceBuffer y_c = mode.accumulate ? upload_act(*C, y0) : poisoned(*C, y0.size() * act_size(*C));
+                          const GemmFuse fuse{mode.norm ? 1e-6f : 0.f, mode.accumulate};
+                          const GemmRows rows = wide ? GemmRows::Wide : GemmRows::Uniform;
+                          if (sh.swiglu) {
+                              DeviceBuffer s_h(H, size_t(m * w_rows) * act_size(*H));
+                              DeviceBuffer s_c(C, size_t(m * w_rows) * act_size(*C));
+                              H->gemm_swiglu(x_h.get(), m, k, w_h.view, sh.n, s_h.get(), y_h.get(), GemmRows::Uniform, fuse);
+                              C->gemm_swiglu(x_c.get(), m, k, w_c.view, sh.n, s_c.get(), y_c.get(), rows, fuse);
+                          } else {
+                              H->gemm(x_h.get(), m, k, w_h.view, y_h.get(), out_cols, GemmRows::Uniform, fuse);
+                              C->gemm(x_c.get(), m, k, w_c.view, y_c.get(), out_cols, rows, fuse);
+                          }
+                          sync(*C);
+                          c.close("y", download_act(*C, y_c.get(), y0.size()), download_act(*H, y_h.get(), y0.size()),
+                                  kTolBf16);
+                      });
+            }
+    g.run("fold_norm [300, 136] and [64, 4096]", [&](Case &c) {
+        for (int64_t n : {int64_t(300), int64_t(64)}) {
+            const int64_t k = n == 300 ? 136 : 4096;
+            const std::vector<float> w = c.rng.bf16_normal(size_t(n * k));
+            std::vector<float> gv(static_cast<size_t>(k));
+            for (auto &v : gv) v = round_bf16(1.f + c.rng.normal(0.3f));
+            Weight w_h = upload_weight(*H, w, n, k), w_c = upload_weight(*C, w, n, k);
+            Weight g_h = upload_weight(*H, gv, 1, k), g_c = upload_weight(*C, gv, 1, k);
+            H->fold_norm(w_h.view, g_h.view);
+            C->fold_norm(w_c.view, g_c.view);
+            sync(*C);
+            // The host keeps fp32 weights (w * g exact in fp32); cuda rounds each product to bf16 once.
+            std::vector<float> ref = decode(H->weight_dtype(DFLASH_DTYPE_F32),
+                                            download_bytes(*H, w_h.buf.get(), w_h.buf.bytes()));
+            for (auto &v : ref) v = round_bf16(v);
+            const std::vector<float> got = decode(w_c.view.dtype, download_bytes(*C, w_c.buf.get(), w_c.buf.bytes()));
+            c.equal(cat("folded weight ", n, " x ", k).c_str(), got, ref);
+        }
+    });
 }
 
 // The wide GEMM (GemmRows::Wide: prefill chunks) and its fused SwiGLU against the host's gemm (and
@@ -2075,6 +2154,7 @@ int main(int argc, char **argv) {
     test_gemm();
     test_gemm_rows_agree();
     test_gemm_swiglu();
+    test_gemm_fused();
     test_gemm_wide();
     test_rope();
     test_kv_write();

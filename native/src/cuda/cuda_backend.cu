@@ -138,12 +138,49 @@ public:
         cuda::rms_norm(as_bf16(x), rows, groups, dim, ld_x, weight_data(w, "rms_norm"), eps,
                        as_bf16(y), ld_y, stream_);
     }
-    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows) override {
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows,
+              GemmFuse fuse) override {
         const bf16 *wd = weight_data(w, "gemm", true);
-        if (takes_wide(rows, x, m, ldx, wd, w))
+        if (fuse.accumulate && ldy != w.rows)
+            fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
+        const bool wide = takes_wide(rows, x, m, ldx, wd, w);
+        if (fuse.any() && (wide || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
+            // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product
+            // into scratch, then the residual add.
+            const void *in = normed_input(x, m, ldx, w.cols, fuse.norm_eps, &ldx);
+            if (!fuse.accumulate) return gemm(in, m, ldx, w, y, ldy, rows, GemmFuse{});
+            void *product = grow(product_scratch_, size_t(m * w.rows) * sizeof(bf16));
+            gemm(in, m, ldx, w, product, w.rows, rows, GemmFuse{});
+            cuda::add(as_bf16(y), as_bf16(product), m * w.rows, stream_);
+            return;
+        }
+        if (wide)
             cuda::gemm_wide(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
         else
-            cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
+            cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_, fuse);
+    }
+    // x's rows RMS-normed with unit weight into scratch (a folded norm where the GEMM cannot fold it), or
+    // x itself where eps is 0; *ld becomes the rows' stride.
+    const void *normed_input(const void *x, int64_t m, int64_t ldx, int64_t K, float eps, int64_t *ld) {
+        if (!(eps > 0.f)) return x;
+        void *normed = grow(norm_scratch_, size_t(m * K) * sizeof(bf16));
+        cuda::rms_norm(as_bf16(x), m, 1, K, ldx, nullptr, eps, as_bf16(normed), K, stream_);
+        *ld = K;
+        return normed;
+    }
+    // The small-M kernels fold norms unless DFLASH_FUSED_NORM=0 (an A/B switch: the separate norm
+    // kernels); read once.
+    bool folds_norms() const override {
+        static const bool on = env_switch_on("DFLASH_FUSED_NORM");
+        return on && cuda::fused_norm_supported();
+    }
+    void fold_norm(WeightView w, WeightView g) override {
+        if (w.tiled) fail(DFLASH_STATUS_INTERNAL, "fold_norm: the weight is tiled (fold before tiling)");
+        if (g.cols != w.cols) fail(DFLASH_STATUS_INTERNAL, "fold_norm: ", g.cols, " norm weights for ", w.cols, " columns");
+        cuda::fold_norm(const_cast<bf16 *>(weight_data(w, "fold_norm")), w.rows, w.cols, weight_data(g, "fold_norm"),
+                        stream_);
+        // Weights must be constant while kernels run (a GEMM under PDL reads them before its wait).
+        DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
     // GemmRows::Wide calls take the wide GEMM (gemm_wide.cu) where it fits; DFLASH_GEMM_WIDE=0 keeps
     // them on the small-M kernels (an A/B switch).
@@ -184,20 +221,22 @@ public:
                            as_bf16(y), stream_);
     }
     void gemm_swiglu(const void *x, int64_t m, int64_t ldx, WeightView gate_up, int64_t inter,
-                     void *gate_up_scratch, void *out, GemmRows rows) override {
+                     void *gate_up_scratch, void *out, GemmRows rows, GemmFuse fuse) override {
         if (gate_up.rows != 2 * inter)
             fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: ", gate_up.rows, " weight rows for intermediate ",
                  inter);
+        if (fuse.accumulate) fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu does not accumulate");
         static const bool fused = env_switch_on("DFLASH_FUSED_SWIGLU");
         const bf16 *w = weight_data(gate_up, "gemm_swiglu", true);
         if (fused && takes_wide(rows, x, m, ldx, w, gate_up)) {
-            cuda::gemm_wide_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
+            const void *in = normed_input(x, m, ldx, gate_up.cols, fuse.norm_eps, &ldx);
+            cuda::gemm_wide_swiglu(as_bf16(in), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
                                    stream_);
             return;
         }
         if (!fused || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out),
-                                         inter, stream_))
-            Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out, rows);
+                                         inter, stream_, fuse.norm_eps))
+            Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out, rows, fuse);
     }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, const WeightView *q_norm,
@@ -282,6 +321,8 @@ private:
         cudaSetDevice(device_);
         argmax_scratch_.reset();
         attention_scratch_.reset();
+        norm_scratch_.reset();
+        product_scratch_.reset();
         if (pinned_) cudaFreeHost(pinned_);
         if (copied_) cudaEventDestroy(copied_);
         if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
@@ -299,6 +340,7 @@ private:
     cudaEvent_t copied_ = nullptr;
     void *pinned_ = nullptr;
     DeviceBuffer argmax_scratch_, attention_scratch_;
+    DeviceBuffer norm_scratch_, product_scratch_;  // unfused GemmFuse: the normed x, the product
 };
 
 }  // namespace

@@ -48,6 +48,14 @@ __global__ void swiglu_kernel(const bf16 *gate_up, int64_t rows, int64_t inter, 
     }
 }
 
+// w: [rows, cols] row-major, in place: w[r, c] = bf16(w[r, c] * g[c])
+__global__ void fold_norm_kernel(bf16 *w, int64_t n, int64_t cols, const bf16 *g) {
+    pdl_prologue();
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x)
+        w[i] = to_bf16(to_float(w[i]) * to_float(g[i % cols]));
+}
+
 // src: [rows, ld_src]; dst: [rows, ld_dst]; copies the first `width` of each row
 __global__ void copy_rows_kernel(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width,
                                  bf16 *dst, int64_t ld_dst) {
@@ -114,6 +122,11 @@ void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s) {
 void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s) {
     if (rows * inter == 0) return;
     launch(swiglu_kernel, blocks_for(rows * inter), kThreads, 0, s, gate_up, rows, inter, out);
+}
+
+void fold_norm(bf16 *w, int64_t rows, int64_t cols, const bf16 *g, cudaStream_t s) {
+    if (rows * cols == 0) return;
+    launch(fold_norm_kernel, blocks_for(rows * cols), kThreads, 0, s, w, rows * cols, cols, g);
 }
 
 void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,

@@ -30,6 +30,14 @@
 //
 // Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
 // never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
+//
+// A folded RMSNorm (NORM, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
+// stream and w's columns carry the norm's weight, so a row's product only needs its factor
+// rsqrt(mean(x^2) + eps). A block's slices read the whole of K, so the block has each row's sum of
+// squares: two more mma per k step with x as both operands (D = x . x^T, whose diagonal is the sum),
+// summed over the slices in order like the product. A row's factor depends on that row alone and
+// on nothing M decides, so batch invariance holds. The Store epilogue may also accumulate (y +=
+// the rounded product): the residual add.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -189,16 +197,45 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
     }
 }
 
+// The sums of squares of the tile's x rows over one chunk (NORM): ss[0] += x . (rows 0..7)^T and
+// ss[1] += x . (rows 8..15)^T, B being x's own fragments (mma_chunk's relabelled k on both sides).
+// Row g's sum is then ss[0][g & 1] and row g + 8's ss[1][2 + (g & 1)] of lane (g, q = g / 2).
+__device__ __forceinline__ void ss_chunk(float ss[2][4], const uint32_t x0[8], const uint32_t x1[8]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
+        mma_bf16_16816(ss[0], a[0], a[1], a[2], a[3], x0[2 * s], x0[2 * s + 1]);
+        mma_bf16_16816(ss[1], a[0], a[1], a[2], a[3], x1[2 * s], x1[2 * s + 1]);
+    }
+}
+
+// A folded norm's inputs to finish_tile (NORM): the warp's ss_chunk sums, shared memory for the
+// slices' ([KS][16] floats), eps and K (the mean's divisor).
+struct NormTile {
+    const float (*ss)[4];
+    float *red;
+    float eps;
+    int64_t K;
+};
+
 // The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
-// cols] floats), are added in slice order 0..KS-1, and are stored, finished as logits, or reduced
-// to per-block argmax partials.
-template <int KS, Epilogue E>
+// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y),
+// finished as logits, or reduced to per-block argmax partials. NORM: scaled by the row's factor
+// first (its slices' sums of squares added in the same order).
+template <int KS, Epilogue E, bool NORM = false>
 __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
                                             float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
                                             float multiplier, float softcap, float *logits_out,
-                                            ArgmaxPartial *partial, int64_t pair = 0) {
+                                            ArgmaxPartial *partial, int64_t pair = 0, NormTile norm = {},
+                                            bool accumulate = false) {
     constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
     auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
+    if constexpr (NORM) {
+        if (wt.group == 0 && wt.q == (wt.g >> 1)) {
+            norm.red[wt.slice * kTileM + wt.g] = norm.ss[0][wt.g & 1];
+            norm.red[wt.slice * kTileM + wt.g + 8] = norm.ss[1][2 + (wt.g & 1)];
+        }
+    }
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
 #pragma unroll
     for (int t = 0; t < kNt; ++t) {
@@ -216,9 +253,18 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         float v = at(0, r, cc);
 #pragma unroll
         for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
+        if constexpr (NORM) {
+            float ss = norm.red[r];
+#pragma unroll
+            for (int sl = 1; sl < KS; ++sl) ss += norm.red[sl * kTileM + r];
+            v *= rsqrtf(ss / float(norm.K) + norm.eps);
+        }
         const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
-            if (m < M && n < N) y[m * ldy + n] = to_bf16(v);
+            if (m < M && n < N) {
+                bf16 &out = y[m * ldy + n];
+                out = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+            }
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
         } else if constexpr (E == Epilogue::SwiGLU) {
@@ -312,12 +358,12 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
-template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST>
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, bool NORM = false>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
-                   int64_t col_blocks) {
+                   int64_t col_blocks, float norm_eps, bool accumulate) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
@@ -325,6 +371,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
+    static_assert(!NORM || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
     constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
     static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
     constexpr int S = ring_stages<TILED, PERSIST>();
@@ -415,6 +462,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if (x_loaded < total) load_x_next(xs[a]);
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
+    NormTile norm{nullptr, nullptr, norm_eps, K};
+    if constexpr (NORM) {
+        __shared__ float ss_red[KS * kTileM];
+        norm.red = ss_red;
+    }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
         if (PERSIST && t > 0) {
@@ -422,6 +474,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // the previous column block's finish_tile is done with red
         }
         float acc[kNt][4] = {};
+        float ss[2][4] = {};  // NORM: the rows' sums of squares (ss_chunk)
         for (int64_t j = 0; j < n_chunks; ++j) {
             cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             __syncwarp();            // ... and every lane's; all are done reading the one before
@@ -442,6 +495,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             uint32_t nx[2][8] = {};  // x kXAhead chunks on, loaded before this one's mma
             if (x_loaded < total) load_x_next(nx);
             mma_chunk(acc, xs[0][0], xs[0][1], wb);
+            if constexpr (NORM) ss_chunk(ss, xs[0][0], xs[0][1]);
 #pragma unroll
             for (int a = 0; a < kXAhead; ++a)
 #pragma unroll
@@ -454,7 +508,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
         }
         if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
-        finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair);
+        norm.ss = ss;
+        finish_tile<KS, E, NORM>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair, norm,
+                                 accumulate);
     }
 }
 
@@ -489,21 +545,22 @@ __global__ void argmax_reduce_kernel(const ArgmaxPartial *partial, int64_t block
 struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
     int persist_blocks_per_sm = 0;                                    // the persistent tiled kernel
+    bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (norm_keeps_occupancy)
 };
 
-template <int KS, Epilogue E>
+template <int KS, Epilogue E, bool NORM = false>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false>,
-                        gemm_stream_kernel<KS, E, false, XLoad::Full, false>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, NORM>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, NORM>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, false>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Element, false>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, NORM>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, NORM>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, true>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, NORM>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, NORM>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true, true>())));
 }
@@ -511,9 +568,32 @@ void allow_stream_smem() {
 template <int KS>
 void allow_stream_smem_all() {
     allow_stream_smem<KS, Epilogue::Store>();
+    allow_stream_smem<KS, Epilogue::Store, true>();
     allow_stream_smem<KS, Epilogue::Logits>();
     allow_stream_smem<KS, Epilogue::Argmax>();
-    if constexpr (KS < 8) allow_stream_smem<KS, Epilogue::SwiGLU>();
+    if constexpr (KS < 8) {
+        allow_stream_smem<KS, Epilogue::SwiGLU>();
+        allow_stream_smem<KS, Epilogue::SwiGLU, true>();
+    }
+}
+
+// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, NORM> resident per SM.
+template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, bool NORM = false>
+int stream_occupancy() {
+    int blocks = 0;
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, NORM>, kWarps * 32,
+        stream_smem_bytes<KS, TILED, PERSIST>()));
+    return blocks;
+}
+
+// Whether the folded-norm kernels (their sums-of-squares mma and shared memory on top of the plain
+// ones') are as resident as the plain kernels the tilings were scored with, every k-split and layout.
+template <int KS, Epilogue E>
+bool norm_keeps_occupancy() {
+    return stream_occupancy<KS, false, false, E, true>() == stream_occupancy<KS, false, false, E>() &&
+           stream_occupancy<KS, true, false, E, true>() == stream_occupancy<KS, true, false, E>() &&
+           stream_occupancy<KS, true, true, E, true>() == stream_occupancy<KS, true, true, E>();
 }
 
 const DeviceFacts &device_facts() {
@@ -530,19 +610,13 @@ const DeviceFacts &device_facts() {
         allow_stream_smem_all<2>();
         allow_stream_smem_all<4>();
         allow_stream_smem_all<8>();
-        int blocks = 0;
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, false, XLoad::Masked, false>, kWarps * 32,
-            stream_smem_bytes<8, false>()));
-        f.stream_blocks_per_sm = blocks;
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked, false>, kWarps * 32,
-            stream_smem_bytes<8, true>()));
-        f.tiled_blocks_per_sm = blocks;
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, gemm_stream_kernel<8, Epilogue::Store, true, XLoad::Masked, true>, kWarps * 32,
-            stream_smem_bytes<8, true, true>()));
-        f.persist_blocks_per_sm = blocks;
+        f.stream_blocks_per_sm = stream_occupancy<8, false, false>();
+        f.tiled_blocks_per_sm = stream_occupancy<8, true, false>();
+        f.persist_blocks_per_sm = stream_occupancy<8, true, true>();
+        f.norm_ok = norm_keeps_occupancy<1, Epilogue::Store>() && norm_keeps_occupancy<2, Epilogue::Store>() &&
+                    norm_keeps_occupancy<4, Epilogue::Store>() && norm_keeps_occupancy<8, Epilogue::Store>() &&
+                    norm_keeps_occupancy<1, Epilogue::SwiGLU>() && norm_keeps_occupancy<2, Epilogue::SwiGLU>() &&
+                    norm_keeps_occupancy<4, Epilogue::SwiGLU>();
         f.sms = n > 0 ? n : 132;
     }
     return f;
@@ -636,10 +710,11 @@ int swiglu_ks(int64_t pair, int64_t K, bool tiled) {
 // vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
 // tiled weights have a tiling of their own (tiling(..., true)).
 // SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
+// fuse (Store and SwiGLU; the ring-fed kernels only, gemm_fuse_fits): a folded norm, accumulate.
 template <Epilogue E>
 void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
             bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
-            ArgmaxPartial *partial, cudaStream_t s, int64_t pair = 0) {
+            ArgmaxPartial *partial, cudaStream_t s, int64_t pair = 0, GemmFuse fuse = {}) {
     const bool x_vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
     const bool vectorized = x_vec && aligned16(w);
     const bool stream = vectorized && stream_enabled();
@@ -655,43 +730,64 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
              " (a grid holds 65535)");
     const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
     const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
-    auto go = [&](auto ks) {
+    if (fuse.any() && !(w_tiled || stream))
+        fail(DFLASH_STATUS_INTERNAL, "gemm: a fused norm / accumulate without the ring-fed kernel");
+    if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
+    if (fuse.norm_eps > 0.f && !device_facts().norm_ok)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: folded-norm kernels do not fit as the plain ones (norm_ok)");
+    auto go = [&](auto ks, auto norm) {
         constexpr int KS = decltype(ks)::value;
-        if constexpr (kSwiGLU && KS == 8) {
-            return;  // never chosen (swiglu_ks)
+        constexpr bool NORM = decltype(norm)::value;
+        if constexpr ((kSwiGLU && KS == 8) || (NORM && E != Epilogue::Store && !kSwiGLU)) {
+            return;  // never chosen (swiglu_ks; norms feed GEMMs and the MLP only)
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true>
-                                            : gemm_stream_kernel<KS, E, true, kM, true>)
-                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false>
-                                              : gemm_stream_kernel<KS, E, false, kM, false>)
-                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false>
-                                              : gemm_stream_kernel<KS, E, true, kM, false>)
-                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false>;
+            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, NORM>
+                                            : gemm_stream_kernel<KS, E, true, kM, true, NORM>)
+                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, NORM>
+                                              : gemm_stream_kernel<KS, E, false, kM, false, NORM>)
+                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, NORM>
+                                              : gemm_stream_kernel<KS, E, true, kM, false, NORM>)
+                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
             const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
-                   multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks));
-        } else if constexpr (!kSwiGLU) {
+                   multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
+                   fuse.norm_eps, fuse.accumulate);
+        } else if constexpr (!kSwiGLU && !NORM) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
         }
     };
     using std::integral_constant;
+    auto go_norm = [&](auto ks) {
+        if (fuse.norm_eps > 0.f)
+            go(ks, std::true_type{});
+        else
+            go(ks, std::false_type{});
+    };
     switch (t.ks) {
-        case 1: go(integral_constant<int, 1>{}); break;
-        case 2: go(integral_constant<int, 2>{}); break;
-        case 4: go(integral_constant<int, 4>{}); break;
-        default: go(integral_constant<int, 8>{}); break;
+        case 1: go_norm(integral_constant<int, 1>{}); break;
+        case 2: go_norm(integral_constant<int, 2>{}); break;
+        case 4: go_norm(integral_constant<int, 4>{}); break;
+        default: go_norm(integral_constant<int, 8>{}); break;
     }
 }
 
 }  // namespace
 
 bool tiled_gemm_supported() { return stream_enabled() && device_facts().tiled_blocks_per_sm > 0; }
+
+bool fused_norm_supported() { return stream_enabled() && device_facts().norm_ok; }
+
+bool gemm_fuse_fits(const bf16 *x, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K) {
+    if (!fused_norm_supported()) return false;
+    if (w_tiled) return tiled_gemm_supported();
+    return K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+}
 
 // dst[tiled_elements(N, K)] = src[N, K] in the tiled layout, zeros in the padding.
 __global__ void tile_weight_kernel(const bf16 *src, int64_t N, int64_t K, int64_t chunks, int64_t total,
@@ -714,19 +810,24 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
 }
 
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
-          bf16 *y, int64_t ldy, cudaStream_t s) {
+          bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse) {
     if (M == 0 || N == 0) return;
-    launch_gemm<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s);
+    if (fuse.any() && !gemm_fuse_fits(x, ldx, w, w_tiled, K))
+        fail(DFLASH_STATUS_INTERNAL, "gemm: fused norm / accumulate where gemm_fuse_fits says no");
+    launch_gemm<Epilogue::Store>(x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s, 0, fuse);
 }
 
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
-                 bf16 *out, int64_t ldo, cudaStream_t s) {
+                 bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps) {
     const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (!(w_tiled ? tiled_gemm_supported() : vectorized && stream_enabled()) || swiglu_ks(inter, K, w_tiled) == 0)
         return false;
+    if (norm_eps > 0.f && !gemm_fuse_fits(x, ldx, w, w_tiled, K)) return false;
     if (M == 0 || inter == 0) return true;
+    GemmFuse fuse;
+    fuse.norm_eps = norm_eps;
     launch_gemm<Epilogue::SwiGLU>(x, M, ldx, w, w_tiled, 2 * inter, K, out, ldo, 1.f, 0.f, nullptr, nullptr, s,
-                                  inter);
+                                  inter, fuse);
     return true;
 }
 

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// x: [rows, ld_x] holding [groups, dim]; w: [dim]; y: [rows, ld_y]
+// x: [rows, ld_x] holding [groups, dim]; w: [dim], or nullptr (ones: x / rms(x)); y: [rows, ld_y]
 __global__ void rms_norm_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
                                 const bf16 *w, float eps, bf16 *y, int64_t ld_y) {
     pdl_prologue();
@@ -27,7 +27,7 @@ __global__ void rms_norm_kernel(const bf16 *x, int64_t groups, int64_t dim, int6
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x)
-        out[c] = to_bf16(to_float(w[c]) * (to_float(in[c]) * inv));
+        out[c] = to_bf16((w ? to_float(w[c]) : 1.f) * (to_float(in[c]) * inv));
 }
 
 // 8 packed bf16 of x -> bf16(w * (x * inv)), as rms_norm_kernel rounds each element.
@@ -64,7 +64,8 @@ __global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, 
     }
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(in[i], wv[i], inv);
+    const uint4 ones = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);  // bf16 1.0 x 8
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(in[i], wv ? wv[i] : ones, inv);
 }
 
 // x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one

@@ -18,13 +18,15 @@ void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float
            cudaStream_t s);
 void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s);                       // y += x
 void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s);
+// In place on the row-major w[rows, cols]: w[r, c] = bf16(w[r, c] * g[c]) (Backend::fold_norm).
+void fold_norm(bf16 *w, int64_t rows, int64_t cols, const bf16 *g, cudaStream_t s);
 void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
                int64_t ld_dst, cudaStream_t s);
 // k/v: [rows, ld] (first kv_width used) -> cache slot rows [slot, kv_width]
 void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
               int64_t kv_width, bf16 *k_cache, bf16 *v_cache, cudaStream_t s);
 
-// norm.cu: y[r, g, :] = x[r, g, :] * rsqrt(mean(x^2) + eps) * w; w: [dim] bf16
+// norm.cu: y[r, g, :] = x[r, g, :] * rsqrt(mean(x^2) + eps) * w; w: [dim] bf16, or nullptr (ones)
 void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
               const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s);
 
@@ -54,14 +56,19 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // w must be a weight: constant while kernels run (under programmatic launch the kernel starts reading it
 // before the kernels ahead of it on the stream have finished; see pdl_prologue in common.cuh).
 // Uploads and device copies (not kernels) that fill it are ordered as usual.
-// y[m, N] = x[m, K] . w[N, K]^T
+// y[m, N] = x[m, K] . w[N, K]^T; fuse (GemmFuse: a folded norm, accumulate) only where gemm_fuse_fits.
 void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
-          bf16 *y, int64_t ldy, cudaStream_t s);
+          bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse = {});
 // out[m, inter] = silu(g) * u of the GEMM with the fused [gate; up] weight w ([2 * inter, K]), in one
 // kernel (each rounded to bf16 first, as gemm + swiglu round them); false (nothing launched) where
-// no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run.
+// no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run (or, with
+// norm_eps > 0, a folded norm cannot: gemm_fuse_fits).
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
-                 bf16 *out, int64_t ldo, cudaStream_t s);
+                 bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps = 0.f);
+// Whether the small-M kernels fold norms on this device (the ring-fed kernel runs and its folded-norm
+// variants are as resident as the plain ones), and whether a call of this layout takes them.
+bool fused_norm_supported();
+bool gemm_fuse_fits(const bf16 *x, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K);
 // gemm_wide.cu: the wide GEMM, for GemmRows::Wide calls (prefill chunks): 64 x 128 tiles of mma
 // fed through shared memory, its sums ordered unlike the small-M family's (so never for rows that
 // must agree with narrower calls). gemm_wide_fits: whether it takes the call (at least

@@ -103,15 +103,53 @@ public:
                             static_cast<const char *>(src.data) + size_t(r * src.cols + c) * elem, elem);
     }
 
-    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy,
-              GemmRows) override {  // one kernel: every call is uniform
+    void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows,
+              GemmFuse fuse) override {  // one kernel: every call is uniform
         const float *in = static_cast<const float *>(x);
         float *out = static_cast<float *>(y);
+        if (fuse.accumulate && ldy != w.rows)
+            fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
+        std::vector<float> scale(size_t(m), 1.f);  // the rows' RMSNorm factors (rms_norm's sum, in order)
+        for (int64_t i = 0; fuse.norm_eps > 0.f && i < m; ++i) {
+            float ss = 0.f;
+            for (int64_t c = 0; c < w.cols; ++c) ss += in[i * ldx + c] * in[i * ldx + c];
+            scale[size_t(i)] = 1.f / std::sqrt(ss / float(w.cols) + fuse.norm_eps);
+        }
         std::vector<float> row(size_t(w.cols));
         for (int64_t n = 0; n < w.rows; ++n) {
             load_row(w, n, row.data());
-            for (int64_t i = 0; i < m; ++i) out[i * ldy + n] = dot(in + i * ldx, row.data(), w.cols);
+            for (int64_t i = 0; i < m; ++i) {
+                float v = dot(in + i * ldx, row.data(), w.cols);
+                if (fuse.norm_eps > 0.f) v *= scale[size_t(i)];
+                out[i * ldy + n] = fuse.accumulate ? out[i * ldy + n] + v : v;
+            }
         }
+    }
+    // DFLASH_HOST_FOLD=1 only (read at each finalize): the models' folded path on the CPU.
+    bool folds_norms() const override {
+        const char *v = std::getenv("DFLASH_HOST_FOLD");
+        return v && v[0] == '1';
+    }
+    void fold_norm(WeightView w, WeightView g) override {
+        if (w.tiled) fail(DFLASH_STATUS_INTERNAL, "fold_norm: the weight is tiled (fold before tiling)");
+        std::vector<float> gv(size_t(g.cols));
+        load_row(g, 0, gv.data());
+        void *data = const_cast<void *>(w.data);
+        for (int64_t r = 0; r < w.rows; ++r)
+            for (int64_t c = 0; c < w.cols; ++c) {
+                const int64_t i = r * w.cols + c;
+                const float v = load_as_float(w.data, w.dtype, i) * gv[size_t(c)];
+                switch (w.dtype) {
+                    case DFLASH_DTYPE_F32: static_cast<float *>(data)[i] = v; break;
+                    case DFLASH_DTYPE_BF16: static_cast<uint16_t *>(data)[i] = float_to_bf16(v); break;
+                    case DFLASH_DTYPE_F16: {
+                        const _Float16 h = static_cast<_Float16>(v);
+                        std::memcpy(static_cast<uint16_t *>(data) + i, &h, 2);
+                        break;
+                    }
+                    default: fail(DFLASH_STATUS_INTERNAL, "fold_norm: weight dtype ", dtype_name(w.dtype));
+                }
+            }
     }
 
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,

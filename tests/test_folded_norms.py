@@ -1,0 +1,60 @@
+"""Norms folded into GEMMs (Backend::folds_norms) through whole models, on the CPU.
+
+The cuda backend folds by default (DFLASH_FUSED_NORM=0 keeps the separate norm kernels): the target's input
+and post-attention RMSNorms go into its q/k/v and gate/up weights, the drafter's post-attention norm into its
+gate/up weight, the GEMMs norm their rows themselves, and o_proj / down add into the residual stream.
+DFLASH_HOST_FOLD=1 (read at each finalize) makes the host backend do the same, so these tests cover the models'
+side of it with float32 checkpoints (folding a bf16 weight rounds each product to bf16, which the reference
+tolerances here are too tight for; the cuda suite compares bf16 folding against the host): speculative output
+equals the target's and transformers' greedy output, the drafter matches Z Lab's reference, and the fold does
+change the arithmetic (the folded and unfolded hidden states are close, not identical).
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("dflash")
+
+import test_drafter_reference as drafter_reference  # noqa: E402
+import test_generate_lossless as lossless  # noqa: E402
+from pydflash import Drafter, Target  # noqa: E402
+
+SEEDS = range(6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_folded_speculative_output_is_lossless(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
+    lossless.run_case(seed, tmp_path, dtype="float32")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_folded_drafter_matches_reference(make_pair, seed, monkeypatch):
+    monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
+    kw, engine, schedule = drafter_reference.random_case(seed, dtype="float32")
+    excused, compared = drafter_reference.run_both(make_pair, seed, kw, engine, schedule)
+    assert excused <= max(1, compared // 100), f"seed {seed}: {excused} near-tie excuses"
+
+
+def _hidden(target_dir, draft_dir):
+    rng = np.random.default_rng(5)
+    with Target.from_pretrained(target_dir, backend="host") as target, \
+            Drafter.from_pretrained(draft_dir, target=target) as drafter:
+        prompt = rng.integers(0, 256, size=40).tolist()
+        with target.new_sequence() as tseq, drafter.new_sequence() as dseq:
+            anchor = tseq.prefill(prompt, capture=dseq)
+            dseq.propose(anchor, len(prompt), drafter.block_size - 1)
+            return dseq.read_hidden()
+
+
+def test_folding_changes_the_arithmetic_not_the_result(make_pair, monkeypatch):
+    target_dir, draft_dir = make_pair(1300, dtype="float32", vocab_size=256, hidden_size=64, target_num_layers=3,
+                                      num_layers=2, target_layer_ids=[0, 2], block_size=8)
+    monkeypatch.delenv("DFLASH_HOST_FOLD", raising=False)
+    plain = _hidden(target_dir, draft_dir)
+    monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
+    folded = _hidden(target_dir, draft_dir)
+    assert not np.array_equal(plain, folded), "DFLASH_HOST_FOLD=1 changed nothing: the folded path did not run"
+    err = np.linalg.norm(folded - plain) / np.linalg.norm(plain)
+    assert err < 1e-5, f"folded hidden states differ by {err:.2e} (relative)"
