@@ -166,9 +166,9 @@ public:
                       GemmRows rows = GemmRows::Uniform, GemmFuse fuse = {}) = 0;
     // Whether the model is to fold each RMSNorm that feeds a GEMM into that GEMM (GemmFuse): the
     // norm's weight into the GEMM weight's columns at finalize (fold_norm), the norm's statistics into
-    // the GEMM's pass over x, and the residual add after a GEMM into its store. Off by default; the
-    // cuda backend folds (DFLASH_FUSED_NORM=0 keeps the separate norm kernels); the host backend
-    // folds where DFLASH_HOST_FOLD=1, so the CPU tests cover the models' side of it.
+    // the GEMM's pass over x, and the residual add after a GEMM into its store. Off by default: the
+    // cuda backend folds where DFLASH_FUSED_NORM=1 (slower on the H200 so far: cuda_backend.cu), the
+    // host backend where DFLASH_HOST_FOLD=1, so the CPU tests cover the models' side of it.
     virtual bool folds_norms() const { return false; }
     // In place on the row-major matrix w: w[r, c] *= g[c] (rounded to w's dtype).
     virtual void fold_norm(WeightView w, WeightView g) {

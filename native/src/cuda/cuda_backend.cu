@@ -144,7 +144,12 @@ public:
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         const bool wide = takes_wide(rows, x, m, ldx, wd, w);
-        if (fuse.any() && (wide || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
+        // DFLASH_GEMM_FOLD_NORM=0 / DFLASH_GEMM_FOLD_ADD=0 (A/B switches, read once): the folded model with
+        // its norms or its residual adds as the separate kernels below, to measure each fusion alone.
+        static const bool fold_norm_in = env_switch_on("DFLASH_GEMM_FOLD_NORM"),
+                          fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
+        const bool unfuse = (fuse.norm_eps > 0.f && !fold_norm_in) || (fuse.accumulate && !fold_add_in);
+        if (fuse.any() && (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
             // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product
             // into scratch, then the residual add.
             const void *in = normed_input(x, m, ldx, w.cols, fuse.norm_eps, &ldx);
@@ -168,10 +173,15 @@ public:
         *ld = K;
         return normed;
     }
-    // The small-M kernels fold norms unless DFLASH_FUSED_NORM=0 (an A/B switch: the separate norm
-    // kernels); read once.
+    // Off by default; DFLASH_FUSED_NORM=1 folds norms into the small-M kernels (read once). Measured on
+    // the H200 (session 14): the folded-norm GEMMs' sums of squares (two more mma per k step) make them
+    // 13-14% slower, more than the two add + RMSNorm kernels per layer they replace: verify 1.05x,
+    // decode 1.07x, propose 1.03x the unfolded step. Kept, validated, for a cheaper sum of squares.
     bool folds_norms() const override {
-        static const bool on = env_switch_on("DFLASH_FUSED_NORM");
+        static const bool on = [] {
+            const char *v = std::getenv("DFLASH_FUSED_NORM");
+            return v && v[0] == '1';
+        }();
         return on && cuda::fused_norm_supported();
     }
     void fold_norm(WeightView w, WeightView g) override {
@@ -233,6 +243,11 @@ public:
             cuda::gemm_wide_swiglu(as_bf16(in), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out), inter,
                                    stream_);
             return;
+        }
+        static const bool fold_norm_in = env_switch_on("DFLASH_GEMM_FOLD_NORM");
+        if (fuse.norm_eps > 0.f && !fold_norm_in) {  // the A/B switch above: norm first, then the plain kernel
+            x = normed_input(x, m, ldx, gate_up.cols, fuse.norm_eps, &ldx);
+            fuse.norm_eps = 0.f;
         }
         if (!fused || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out),
                                          inter, stream_, fuse.norm_eps))

@@ -37,7 +37,9 @@
 // squares: two more mma per k step with x as both operands (D = x . x^T, whose diagonal is the sum),
 // summed over the slices in order like the product. A row's factor depends on that row alone and
 // on nothing M decides, so batch invariance holds. The Store epilogue may also accumulate (y +=
-// the rounded product): the residual add.
+// the rounded product): the residual add. Off by default (DFLASH_FUSED_NORM=1): on the H200 those mma
+// made the q/k/v and gate/up GEMMs 13-14% slower (session 14, --profile), more than the norm kernels
+// they replace cost; a sum of squares from the producer's epilogue is the next thing to try.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -210,7 +212,9 @@ __device__ __forceinline__ void ss_chunk(float ss[2][4], const uint32_t x0[8], c
 }
 
 // A folded norm's inputs to finish_tile (NORM): the warp's ss_chunk sums, shared memory for the
-// slices' ([KS][16] floats), eps and K (the mean's divisor).
+// slices' ([KS][16] floats), eps and K (the mean's divisor). Only column group 0 sums squares (every
+// group reads the same x). (Summing only over a persistent block's first column block left the
+// ks 2 / ks 4 SwiGLU kernels spilling at 128 registers.)
 struct NormTile {
     const float (*ss)[4];
     float *red;
@@ -495,7 +499,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             uint32_t nx[2][8] = {};  // x kXAhead chunks on, loaded before this one's mma
             if (x_loaded < total) load_x_next(nx);
             mma_chunk(acc, xs[0][0], xs[0][1], wb);
-            if constexpr (NORM) ss_chunk(ss, xs[0][0], xs[0][1]);
+            if constexpr (NORM)
+                if (wt.group == 0) ss_chunk(ss, xs[0][0], xs[0][1]);  // warp-uniform
 #pragma unroll
             for (int a = 0; a < kXAhead; ++a)
 #pragma unroll
