@@ -144,11 +144,8 @@ public:
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         const bool wide = takes_wide(rows, x, m, ldx, wd, w);
-        // DFLASH_GEMM_FOLD_NORM=0 / DFLASH_GEMM_FOLD_ADD=0 (A/B switches, read once): the folded model with
-        // its norms or its residual adds as the separate kernels below, to measure each fusion alone.
-        static const bool fold_norm_in = env_switch_on("DFLASH_GEMM_FOLD_NORM"),
-                          fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
-        const bool unfuse = (fuse.norm_eps > 0.f && !fold_norm_in) || (fuse.accumulate && !fold_add_in);
+        static const bool fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
+        const bool unfuse = (fuse.norm_eps > 0.f && !fold_norm_in()) || (fuse.accumulate && !fold_add_in);
         if (fuse.any() && (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
             // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product
             // into scratch, then the residual add.
@@ -163,6 +160,12 @@ public:
             cuda::gemm_wide(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
         else
             cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_, fuse);
+    }
+    // DFLASH_GEMM_FOLD_NORM=0 / DFLASH_GEMM_FOLD_ADD=0 (A/B switches, read once): the folded model with
+    // its norms or its residual adds as separate kernels, to measure each fusion alone.
+    static bool fold_norm_in() {
+        static const bool on = env_switch_on("DFLASH_GEMM_FOLD_NORM");
+        return on;
     }
     // x's rows RMS-normed with unit weight into scratch (a folded norm where the GEMM cannot fold it), or
     // x itself where eps is 0; *ld becomes the rows' stride.
@@ -244,8 +247,7 @@ public:
                                    stream_);
             return;
         }
-        static const bool fold_norm_in = env_switch_on("DFLASH_GEMM_FOLD_NORM");
-        if (fuse.norm_eps > 0.f && !fold_norm_in) {  // the A/B switch above: norm first, then the plain kernel
+        if (fuse.norm_eps > 0.f && !fold_norm_in()) {  // the A/B switch: norm first, then the plain kernel
             x = normed_input(x, m, ldx, gate_up.cols, fuse.norm_eps, &ldx);
             fuse.norm_eps = 0.f;
         }

@@ -788,10 +788,17 @@ bool tiled_gemm_supported() { return stream_enabled() && device_facts().tiled_bl
 
 bool fused_norm_supported() { return stream_enabled() && device_facts().norm_ok; }
 
-bool gemm_fuse_fits(const bf16 *x, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K) {
-    if (!fused_norm_supported()) return false;
+namespace {
+// Whether a call of this layout runs on the ring-fed kernel: tiled weights, or 16-byte vectorizable x
+// and w with the kernel enabled.
+bool ring_fed_fits(const bf16 *x, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K) {
     if (w_tiled) return tiled_gemm_supported();
-    return K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+    return K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w) && stream_enabled();
+}
+}  // namespace
+
+bool gemm_fuse_fits(const bf16 *x, int64_t ldx, const bf16 *w, bool w_tiled, int64_t K) {
+    return fused_norm_supported() && ring_fed_fits(x, ldx, w, w_tiled, K);
 }
 
 // dst[tiled_elements(N, K)] = src[N, K] in the tiled layout, zeros in the padding.
@@ -824,10 +831,8 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
                  bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps) {
-    const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
-    if (!(w_tiled ? tiled_gemm_supported() : vectorized && stream_enabled()) || swiglu_ks(inter, K, w_tiled) == 0)
-        return false;
-    if (norm_eps > 0.f && !gemm_fuse_fits(x, ldx, w, w_tiled, K)) return false;
+    if (!ring_fed_fits(x, ldx, w, w_tiled, K) || swiglu_ks(inter, K, w_tiled) == 0) return false;
+    if (norm_eps > 0.f && !fused_norm_supported()) return false;
     if (M == 0 || inter == 0) return true;
     GemmFuse fuse;
     fuse.norm_eps = norm_eps;

@@ -39,6 +39,13 @@ void load_row(WeightView w, int64_t row, float *out) {
     for (int64_t c = 0; c < w.cols; ++c) out[c] = load_as_float(w.data, w.dtype, base + c);
 }
 
+// 1 / rms of x[0, n): the squares summed in order (rms_norm's statistics, and a folded norm's).
+float inv_rms(const float *x, int64_t n, float eps) {
+    float ss = 0.f;
+    for (int64_t c = 0; c < n; ++c) ss += x[c] * x[c];
+    return 1.f / std::sqrt(ss / float(n) + eps);
+}
+
 class HostBackend final : public Backend {
 public:
     dflash_backend kind() const override { return DFLASH_BACKEND_HOST; }
@@ -78,9 +85,7 @@ public:
             for (int64_t g = 0; g < groups; ++g) {
                 const float *in = static_cast<const float *>(x) + r * ld_x + g * dim;
                 float *o = static_cast<float *>(y) + r * ld_y + g * dim;
-                float ss = 0.f;
-                for (int64_t c = 0; c < dim; ++c) ss += in[c] * in[c];
-                const float inv = 1.f / std::sqrt(ss / float(dim) + eps);
+                const float inv = inv_rms(in, dim, eps);
                 for (int64_t c = 0; c < dim; ++c) o[c] = weight[c] * (in[c] * inv);
             }
         }
@@ -110,11 +115,8 @@ public:
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         std::vector<float> scale(size_t(m), 1.f);  // the rows' RMSNorm factors (rms_norm's sum, in order)
-        for (int64_t i = 0; fuse.norm_eps > 0.f && i < m; ++i) {
-            float ss = 0.f;
-            for (int64_t c = 0; c < w.cols; ++c) ss += in[i * ldx + c] * in[i * ldx + c];
-            scale[size_t(i)] = 1.f / std::sqrt(ss / float(w.cols) + fuse.norm_eps);
-        }
+        for (int64_t i = 0; fuse.norm_eps > 0.f && i < m; ++i)
+            scale[size_t(i)] = inv_rms(in + i * ldx, w.cols, fuse.norm_eps);
         std::vector<float> row(size_t(w.cols));
         for (int64_t n = 0; n < w.rows; ++n) {
             load_row(w, n, row.data());
