@@ -98,11 +98,19 @@ enum class GemmRows { Uniform, Wide };
 // already folded into w's columns (Backend::fold_norm), so y = (x . w^T) * rsqrt(mean(x^2) + eps).
 // accumulate: y += the product (the product rounded to the activation dtype first, then the sum, as
 // a gemm then add rounds them): the residual add that ends an attention or MLP block.
+//
+// Row statistics between the two: ss_out (non-null): the backend writes the rows' sums of squares of
+// the stored y there, in parts of 16 columns ([m, ss_parts(N)] floats, row stride ss_parts(N));
+// ss_in (with norm_eps; may be nullptr): those parts of x's rows, written by the GEMM that last stored
+// x with ss_out, which a backend may use instead of summing x itself (the cuda kernels do).
 struct GemmFuse {
     float norm_eps = 0.f;
     bool accumulate = false;
+    const float *ss_in = nullptr;
+    float *ss_out = nullptr;
     bool any() const { return norm_eps > 0.f || accumulate; }
 };
+inline int64_t ss_parts(int64_t width) { return (width + 15) / 16; }  // GemmFuse's parts per row
 
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.

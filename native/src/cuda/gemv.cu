@@ -33,13 +33,12 @@
 //
 // A folded RMSNorm (NORM, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
 // stream and w's columns carry the norm's weight, so a row's product only needs its factor
-// rsqrt(mean(x^2) + eps). A block's slices read the whole of K, so the block has each row's sum of
-// squares: two more mma per k step with x as both operands (D = x . x^T, whose diagonal is the sum),
-// summed over the slices in order like the product. A row's factor depends on that row alone and
-// on nothing M decides, so batch invariance holds. The Store epilogue may also accumulate (y +=
-// the rounded product): the residual add. Off by default (DFLASH_FUSED_NORM=1): on the H200 those mma
-// made the q/k/v and gate/up GEMMs 13-14% slower (session 14, --profile), more than the norm kernels
-// they replace cost; a sum of squares from the producer's epilogue is the next thing to try.
+// rsqrt(mean(x^2) + eps). The sums of squares come from the GEMM that wrote x (the o_proj or down
+// before it, which accumulated into the residual stream): its Store epilogue sums each row's stored
+// values' squares per 16 columns (GemmFuse::ss_out), and this kernel adds those parts in a fixed
+// order before its k loop (row_scales), so its k loop is the plain one. A row's factor depends on
+// that row alone and on nothing M decides, so batch invariance holds. Off by default
+// (DFLASH_FUSED_NORM=1).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -199,47 +198,42 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
     }
 }
 
-// The sums of squares of the tile's x rows over one chunk (NORM): ss[0] += x . (rows 0..7)^T and
-// ss[1] += x . (rows 8..15)^T, B being x's own fragments (mma_chunk's relabelled k on both sides).
-// Row g's sum is then ss[0][g & 1] and row g + 8's ss[1][2 + (g & 1)] of lane (g, q = g / 2).
-__device__ __forceinline__ void ss_chunk(float ss[2][4], const uint32_t x0[8], const uint32_t x1[8]) {
+// A folded norm (NORM) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
+// parts of 16 columns), not from its own k loop: summing them with two more mma per k step made the
+// q/k/v and gate/up GEMMs 13-14% slower on the H200 (session 14). row_scale: the tile's factors
+// rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly:
+// the same order for every row whatever M is); rows past M get 0 (never stored).
+__device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64_t M, int64_t K, float eps,
+                                           float *row_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t parts = ss_parts_of(K);
+    for (int r = warp; r < kTileM; r += kWarps) {
+        const int64_t m = m0 + r;
+        float sum = 0.f;
+        if (m < M)
+            for (int64_t p = lane; p < parts; p += 32) sum += ss_in[m * parts + p];  // coherent (after pdl_wait)
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
-        mma_bf16_16816(ss[0], a[0], a[1], a[2], a[3], x0[2 * s], x0[2 * s + 1]);
-        mma_bf16_16816(ss[1], a[0], a[1], a[2], a[3], x1[2 * s], x1[2 * s + 1]);
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
     }
 }
 
-// A folded norm's inputs to finish_tile (NORM): the warp's ss_chunk sums, shared memory for the
-// slices' ([KS][16] floats), eps and K (the mean's divisor). Only column group 0 sums squares (every
-// group reads the same x). (Summing only over a persistent block's first column block left the
-// ks 2 / ks 4 SwiGLU kernels spilling at 128 registers.)
-struct NormTile {
-    const float (*ss)[4];
-    float *red;
-    float eps;
-    int64_t K;
-};
-
 // The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
-// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y),
+// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y; ss_out:
+// and each row's sum of squares of the stored values per 16 columns, a half-warp butterfly),
 // finished as logits, or reduced to per-block argmax partials. NORM: scaled by the row's factor
-// first (its slices' sums of squares added in the same order).
+// first (row_scale, in shared memory).
 template <int KS, Epilogue E, bool NORM = false>
 __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
                                             float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
                                             float multiplier, float softcap, float *logits_out,
-                                            ArgmaxPartial *partial, int64_t pair = 0, NormTile norm = {},
-                                            bool accumulate = false) {
+                                            ArgmaxPartial *partial, int64_t pair = 0,
+                                            const float *row_scale = nullptr, bool accumulate = false,
+                                            float *ss_out = nullptr) {
     constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    static_assert(kBlockCols % 16 == 0 && kTileM * kBlockCols % (kWarps * 32) == 0,
+                  "ss_out's 16-column parts are aligned half-warps, and every thread runs every pass");
     auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
-    if constexpr (NORM) {
-        if (wt.group == 0 && wt.q == (wt.g >> 1)) {
-            norm.red[wt.slice * kTileM + wt.g] = norm.ss[0][wt.g & 1];
-            norm.red[wt.slice * kTileM + wt.g + 8] = norm.ss[1][2 + (wt.g & 1)];
-        }
-    }
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
 #pragma unroll
     for (int t = 0; t < kNt; ++t) {
@@ -257,17 +251,21 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         float v = at(0, r, cc);
 #pragma unroll
         for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
-        if constexpr (NORM) {
-            float ss = norm.red[r];
-#pragma unroll
-            for (int sl = 1; sl < KS; ++sl) ss += norm.red[sl * kTileM + r];
-            v *= rsqrtf(ss / float(norm.K) + norm.eps);
-        }
+        if constexpr (NORM) v *= row_scale[r];
         const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
+            float stored = 0.f;
             if (m < M && n < N) {
                 bf16 &out = y[m * ldy + n];
-                out = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                const bf16 o = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                out = o;
+                stored = to_float(o);
+            }
+            if (ss_out) {  // uniform over the block; the 16 lanes of a part hold one row's 16 columns
+                float sq = stored * stored;
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts_of(N) + n / 16] = sq;
             }
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
@@ -367,7 +365,7 @@ __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
-                   int64_t col_blocks, float norm_eps, bool accumulate) {
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
@@ -466,10 +464,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if (x_loaded < total) load_x_next(xs[a]);
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
-    NormTile norm{nullptr, nullptr, norm_eps, K};
-    if constexpr (NORM) {
-        __shared__ float ss_red[KS * kTileM];
-        norm.red = ss_red;
+    float *row_scale = nullptr;
+    if constexpr (NORM) {  // read by finish_tile after its barrier
+        __shared__ float scales[kTileM];
+        row_scales(ss_in, wt.m0, M, K, norm_eps, scales);
+        row_scale = scales;
     }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
@@ -478,7 +477,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // the previous column block's finish_tile is done with red
         }
         float acc[kNt][4] = {};
-        float ss[2][4] = {};  // NORM: the rows' sums of squares (ss_chunk)
         for (int64_t j = 0; j < n_chunks; ++j) {
             cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             __syncwarp();            // ... and every lane's; all are done reading the one before
@@ -499,8 +497,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             uint32_t nx[2][8] = {};  // x kXAhead chunks on, loaded before this one's mma
             if (x_loaded < total) load_x_next(nx);
             mma_chunk(acc, xs[0][0], xs[0][1], wb);
-            if constexpr (NORM)
-                if (wt.group == 0) ss_chunk(ss, xs[0][0], xs[0][1]);  // warp-uniform
 #pragma unroll
             for (int a = 0; a < kXAhead; ++a)
 #pragma unroll
@@ -513,9 +509,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
         }
         if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
-        norm.ss = ss;
-        finish_tile<KS, E, NORM>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair, norm,
-                                 accumulate);
+        finish_tile<KS, E, NORM>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
+                                 row_scale, accumulate, ss_out);
     }
 }
 
@@ -740,6 +735,9 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
     if (fuse.norm_eps > 0.f && !device_facts().norm_ok)
         fail(DFLASH_STATUS_INTERNAL, "gemm: folded-norm kernels do not fit as the plain ones (norm_ok)");
+    if (fuse.norm_eps > 0.f && !fuse.ss_in)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: a folded norm needs its rows' sums of squares (GemmFuse::ss_in)");
+    if (fuse.ss_out && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store writes ss_out");
     auto go = [&](auto ks, auto norm) {
         constexpr int KS = decltype(ks)::value;
         constexpr bool NORM = decltype(norm)::value;
@@ -761,7 +759,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
                    multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
-                   fuse.norm_eps, fuse.accumulate);
+                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
         } else if constexpr (!kSwiGLU && !NORM) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
@@ -823,14 +821,14 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 }
 
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
-                 bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps) {
+                 bf16 *out, int64_t ldo, cudaStream_t s, GemmFuse fuse) {
+    const float norm_eps = fuse.norm_eps;
+    if (fuse.accumulate || fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu neither accumulates nor sums");
     const bool vectorized = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (!(w_tiled ? tiled_gemm_supported() : vectorized && stream_enabled()) || swiglu_ks(inter, K, w_tiled) == 0)
         return false;
-    if (norm_eps > 0.f && !gemm_fuse_fits(x, ldx, w, w_tiled, K)) return false;
+    if (norm_eps > 0.f && (!fuse.ss_in || !gemm_fuse_fits(x, ldx, w, w_tiled, K))) return false;
     if (M == 0 || inter == 0) return true;
-    GemmFuse fuse;
-    fuse.norm_eps = norm_eps;
     launch_gemm<Epilogue::SwiGLU>(x, M, ldx, w, w_tiled, 2 * inter, K, out, ldo, 1.f, 0.f, nullptr, nullptr, s,
                                   inter, fuse);
     return true;
