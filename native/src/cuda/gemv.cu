@@ -211,7 +211,7 @@ __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64
         const int64_t m = m0 + r;
         float sum = 0.f;
         if (m < M)
-            for (int64_t p = lane; p < parts; p += 32) sum += ss_in[m * parts + p];  // coherent (after pdl_wait)
+            for (int64_t p = lane; p < parts; p += 32) sum += load_act_f32(ss_in + m * parts + p);  // after pdl_wait
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
@@ -730,7 +730,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
              " (a grid holds 65535)");
     const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
     const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
-    if (fuse.any() && !(w_tiled || stream))
+    if ((fuse.any() || fuse.ss_out) && !(w_tiled || stream))
         fail(DFLASH_STATUS_INTERNAL, "gemm: a fused norm / accumulate without the ring-fed kernel");
     if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
     if (fuse.norm_eps > 0.f && !device_facts().norm_ok)
