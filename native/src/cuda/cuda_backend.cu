@@ -148,8 +148,8 @@ public:
         // its norms or its residual adds as the separate kernels below, to measure each fusion alone.
         static const bool fold_norm_in = env_switch_on("DFLASH_GEMM_FOLD_NORM"),
                           fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
-        const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in || !fuse.ss_in)) ||
-                            (fuse.accumulate && !fold_add_in);
+        const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in || !fuse.ss_in || fuse.ss_out)) ||
+                            (fuse.accumulate && !fold_add_in);  // (one kernel norms or sums, not both)
         if ((fuse.any() || fuse.ss_out) &&
             (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
             // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product

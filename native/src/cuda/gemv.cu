@@ -31,11 +31,11 @@
 // Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
 // never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
 //
-// A folded RMSNorm (NORM, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
+// A folded RMSNorm (FUSE kNorm, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
 // stream and w's columns carry the norm's weight, so a row's product only needs its factor
 // rsqrt(mean(x^2) + eps). The sums of squares come from the GEMM that wrote x (the o_proj or down
 // before it, which accumulated into the residual stream): its Store epilogue sums each row's stored
-// values' squares per 16 columns (GemmFuse::ss_out), and this kernel adds those parts in a fixed
+// values' squares per 16 columns (GemmFuse::ss_out, kStats), and this kernel adds those parts in a fixed
 // order before its k loop (row_scales), so its k loop is the plain one. A row's factor depends on
 // that row alone and on nothing M decides, so batch invariance holds. Off by default
 // (DFLASH_FUSED_NORM=1).
@@ -58,6 +58,11 @@ constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
 // column groups take gate columns, the other half the same up columns (pair later), and the block
 // stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
 enum class Epilogue { Store, Logits, Argmax, SwiGLU };
+
+// What a ring-fed kernel fuses (GemmFuse), a template argument so the plain kernels stay as they are:
+// kPlain (accumulate is a runtime flag), kNorm (a folded norm: ss_in), kStats (Store: ss_out, the
+// stored rows' sums of squares for the norming GEMM after it).
+constexpr int kPlain = 0, kNorm = 1, kStats = 2;
 
 struct ArgmaxPartial {
     float value;
@@ -198,7 +203,7 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
     }
 }
 
-// A folded norm (NORM) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
+// A folded norm (kNorm) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
 // parts of 16 columns), not from its own k loop: summing them with two more mma per k step made the
 // q/k/v and gate/up GEMMs 13-14% slower on the H200 (session 14). row_scale: the tile's factors
 // rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly:
@@ -219,11 +224,11 @@ __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64
 }
 
 // The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
-// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y; ss_out:
+// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y; kStats:
 // and each row's sum of squares of the stored values per 16 columns, a half-warp butterfly),
-// finished as logits, or reduced to per-block argmax partials. NORM: scaled by the row's factor
+// finished as logits, or reduced to per-block argmax partials. kNorm: scaled by the row's factor
 // first (row_scale, in shared memory).
-template <int KS, Epilogue E, bool NORM = false>
+template <int KS, Epilogue E, int FUSE = kPlain>
 __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
                                             float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
                                             float multiplier, float softcap, float *logits_out,
@@ -251,7 +256,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         float v = at(0, r, cc);
 #pragma unroll
         for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
-        if constexpr (NORM) v *= row_scale[r];
+        if constexpr (FUSE == kNorm) v *= row_scale[r];
         const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
             float stored = 0.f;
@@ -261,7 +266,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
                 out = o;
                 stored = to_float(o);
             }
-            if (ss_out) {  // uniform over the block; the 16 lanes of a part hold one row's 16 columns
+            if constexpr (FUSE == kStats) {  // the 16 lanes of a part hold one row's 16 columns
                 float sq = stored * stored;
 #pragma unroll
                 for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -360,7 +365,7 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
-template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, bool NORM = false>
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPlain>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
@@ -373,7 +378,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
-    static_assert(!NORM || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
+    static_assert(FUSE != kNorm || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
+    static_assert(FUSE != kStats || E == Epilogue::Store, "only a store sums its rows' squares");
     constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
     static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
     constexpr int S = ring_stages<TILED, PERSIST>();
@@ -465,7 +471,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
     float *row_scale = nullptr;
-    if constexpr (NORM) {  // read by finish_tile after its barrier
+    if constexpr (FUSE == kNorm) {  // read by finish_tile after its barrier
         __shared__ float scales[kTileM];
         row_scales(ss_in, wt.m0, M, K, norm_eps, scales);
         row_scale = scales;
@@ -509,7 +515,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
         }
         if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
-        finish_tile<KS, E, NORM>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
+        finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
                                  row_scale, accumulate, ss_out);
     }
 }
@@ -548,19 +554,19 @@ struct DeviceFacts {
     bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (norm_keeps_occupancy)
 };
 
-template <int KS, Epilogue E, bool NORM = false>
+template <int KS, Epilogue E, int FUSE = kPlain>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, NORM>,
-                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true, true>())));
 }
@@ -568,32 +574,40 @@ void allow_stream_smem() {
 template <int KS>
 void allow_stream_smem_all() {
     allow_stream_smem<KS, Epilogue::Store>();
-    allow_stream_smem<KS, Epilogue::Store, true>();
+    allow_stream_smem<KS, Epilogue::Store, kNorm>();
+    allow_stream_smem<KS, Epilogue::Store, kStats>();
     allow_stream_smem<KS, Epilogue::Logits>();
     allow_stream_smem<KS, Epilogue::Argmax>();
     if constexpr (KS < 8) {
         allow_stream_smem<KS, Epilogue::SwiGLU>();
-        allow_stream_smem<KS, Epilogue::SwiGLU, true>();
+        allow_stream_smem<KS, Epilogue::SwiGLU, kNorm>();
     }
 }
 
-// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, NORM> resident per SM.
-template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, bool NORM = false>
+// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, FUSE> resident per SM.
+template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, int FUSE = kPlain>
 int stream_occupancy() {
     int blocks = 0;
     DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, NORM>, kWarps * 32,
+        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, FUSE>, kWarps * 32,
         stream_smem_bytes<KS, TILED, PERSIST>()));
     return blocks;
 }
 
-// Whether the folded-norm kernels (their sums-of-squares mma and shared memory on top of the plain
-// ones') are as resident as the plain kernels the tilings were scored with, every k-split and layout.
+// Whether the fused kernels (FUSE: kNorm, kStats) are as resident as the plain ones the tilings were
+// scored with, every layout.
+template <int KS, Epilogue E, int FUSE>
+bool fuse_keeps_occupancy() {
+    return stream_occupancy<KS, false, false, E, FUSE>() == stream_occupancy<KS, false, false, E>() &&
+           stream_occupancy<KS, true, false, E, FUSE>() == stream_occupancy<KS, true, false, E>() &&
+           stream_occupancy<KS, true, true, E, FUSE>() == stream_occupancy<KS, true, true, E>();
+}
 template <int KS, Epilogue E>
 bool norm_keeps_occupancy() {
-    return stream_occupancy<KS, false, false, E, true>() == stream_occupancy<KS, false, false, E>() &&
-           stream_occupancy<KS, true, false, E, true>() == stream_occupancy<KS, true, false, E>() &&
-           stream_occupancy<KS, true, true, E, true>() == stream_occupancy<KS, true, true, E>();
+    if constexpr (E == Epilogue::Store)
+        return fuse_keeps_occupancy<KS, E, kNorm>() && fuse_keeps_occupancy<KS, E, kStats>();
+    else
+        return fuse_keeps_occupancy<KS, E, kNorm>();
 }
 
 const DeviceFacts &device_facts() {
@@ -738,21 +752,22 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     if (fuse.norm_eps > 0.f && !fuse.ss_in)
         fail(DFLASH_STATUS_INTERNAL, "gemm: a folded norm needs its rows' sums of squares (GemmFuse::ss_in)");
     if (fuse.ss_out && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store writes ss_out");
-    auto go = [&](auto ks, auto norm) {
+    auto go = [&](auto ks, auto fuse_mode) {
         constexpr int KS = decltype(ks)::value;
-        constexpr bool NORM = decltype(norm)::value;
-        if constexpr ((kSwiGLU && KS == 8) || (NORM && E != Epilogue::Store && !kSwiGLU)) {
-            return;  // never chosen (swiglu_ks; norms feed GEMMs and the MLP only)
+        constexpr int FUSE = decltype(fuse_mode)::value;
+        if constexpr ((kSwiGLU && KS == 8) || (FUSE == kNorm && E != Epilogue::Store && !kSwiGLU) ||
+                      (FUSE == kStats && E != Epilogue::Store)) {
+            return;  // never chosen (swiglu_ks; norms feed GEMMs and the MLP, sums come from stores)
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, NORM>
-                                            : gemm_stream_kernel<KS, E, true, kM, true, NORM>)
-                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, NORM>
-                                              : gemm_stream_kernel<KS, E, false, kM, false, NORM>)
-                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, NORM>
-                                              : gemm_stream_kernel<KS, E, true, kM, false, NORM>)
-                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>;
+            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                            : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
+                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
+                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
             const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
@@ -760,17 +775,20 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
                    multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
                    fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
-        } else if constexpr (!kSwiGLU && !NORM) {
+        } else if constexpr (!kSwiGLU && FUSE == kPlain) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
         }
     };
     using std::integral_constant;
+    if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
     auto go_norm = [&](auto ks) {
         if (fuse.norm_eps > 0.f)
-            go(ks, std::true_type{});
+            go(ks, integral_constant<int, kNorm>{});
+        else if (fuse.ss_out)
+            go(ks, integral_constant<int, kStats>{});
         else
-            go(ks, std::false_type{});
+            go(ks, integral_constant<int, kPlain>{});
     };
     switch (t.ks) {
         case 1: go_norm(integral_constant<int, 1>{}); break;
