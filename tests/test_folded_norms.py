@@ -1,6 +1,6 @@
 """Norms folded into GEMMs (Backend::folds_norms) through whole models, on the CPU.
 
-The cuda backend folds where DFLASH_FUSED_NORM=1 (off by default: slower on the H200 so far): the target's input
+The cuda backend folds unless DFLASH_FUSED_NORM=0 (on by default since session 15): the target's input
 and post-attention RMSNorms go into its q/k/v and gate/up weights, the drafter's post-attention norm into its
 gate/up weight, the GEMMs norm their rows themselves, and o_proj / down add into the residual stream.
 DFLASH_HOST_FOLD=1 (read at each finalize) makes the host backend do the same, so these tests cover the models'

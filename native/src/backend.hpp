@@ -98,11 +98,19 @@ enum class GemmRows { Uniform, Wide };
 // already folded into w's columns (Backend::fold_norm), so y = (x . w^T) * rsqrt(mean(x^2) + eps).
 // accumulate: y += the product (the product rounded to the activation dtype first, then the sum, as
 // a gemm then add rounds them): the residual add that ends an attention or MLP block.
+//
+// Row statistics between the two: ss_out (non-null): the backend writes the rows' sums of squares of
+// the stored y there, in parts of 16 columns ([m, ss_parts(N)] floats, row stride ss_parts(N));
+// ss_in (with norm_eps; may be nullptr): those parts of x's rows, written by the GEMM that last stored
+// x with ss_out, which a backend may use instead of summing x itself (the cuda kernels do).
 struct GemmFuse {
     float norm_eps = 0.f;
     bool accumulate = false;
+    const float *ss_in = nullptr;
+    float *ss_out = nullptr;
     bool any() const { return norm_eps > 0.f || accumulate; }
 };
+inline int64_t ss_parts(int64_t width) { return (width + 15) / 16; }  // GemmFuse's parts per row
 
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.
@@ -166,9 +174,9 @@ public:
                       GemmRows rows = GemmRows::Uniform, GemmFuse fuse = {}) = 0;
     // Whether the model is to fold each RMSNorm that feeds a GEMM into that GEMM (GemmFuse): the
     // norm's weight into the GEMM weight's columns at finalize (fold_norm), the norm's statistics into
-    // the GEMM's pass over x, and the residual add after a GEMM into its store. Off by default: the
-    // cuda backend folds where DFLASH_FUSED_NORM=1 (slower on the H200 so far: cuda_backend.cu), the
-    // host backend where DFLASH_HOST_FOLD=1, so the CPU tests cover the models' side of it.
+    // the GEMM's pass over x, and the residual add after a GEMM into its store. The cuda backend folds
+    // unless DFLASH_FUSED_NORM=0 (measured: cuda_backend.cu), the host backend where DFLASH_HOST_FOLD=1,
+    // so the CPU tests cover the models' side of it.
     virtual bool folds_norms() const { return false; }
     // In place on the row-major matrix w: w[r, c] *= g[c] (rounded to w's dtype).
     virtual void fold_norm(WeightView w, WeightView g) {

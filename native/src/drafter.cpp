@@ -189,7 +189,8 @@ void Drafter::finalize() {
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
         step(b, (4 * g + 2 * c) * sizeof(int32_t)),
-        probs(b, g * size_t(p_.vocab_size) * sizeof(float));
+        probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
+        ss(fold ? b : nullptr, fold ? g * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
     // Commit.
     fused_kv_ = std::move(fused_kv);
@@ -201,6 +202,7 @@ void Drafter::finalize() {
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     ctx_h_ = std::move(ctx_h); ctx_kv_ = std::move(ctx_kv); step_i32_ = std::move(step);
     probs_ = std::move(probs);
+    ss_ = std::move(ss);
     folded_ = fold;
     for (const auto &n : kv_names) weights_.erase(n);
     layers_.clear();
@@ -463,10 +465,11 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                             keys, attn_.get());
         const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
         if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
+            float *ss = ss_.as<float>();
             backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, x_.get(), H, GemmRows::Uniform,
-                           GemmFuse{0.f, true});
+                           GemmFuse{0.f, true, nullptr, ss});
             backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                  mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false});
+                                  mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false, ss, nullptr});
             backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, x_.get(), H, GemmRows::Uniform,
                            GemmFuse{0.f, true});
             backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);

@@ -139,6 +139,7 @@ private:
     DeviceBuffer inv_freq_;
     // scratch (gamma rows for the block, chunk_rows rows for the context projection)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
+    DeviceBuffer ss_;  // folded_: the rows' sums of squares from o_proj to gate/up (GemmFuse)
     DeviceBuffer step_i32_;  // tokens, q positions, noise slots, ctx positions, ctx slots, drafts
     DeviceBuffer probs_;     // [block_size, vocab] fp32: sampled proposals' q (or logits)
     const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ (and q) hold

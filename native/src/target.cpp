@@ -144,7 +144,8 @@ void Target::finalize() {
         attn(b, r * size_t(q_width_) * a),
         gu(b, r * 2 * I * a), mlp(b, r * I * a),
         logits(b, size_t(p_.max_verify_rows) * V * sizeof(float)),
-        step(b, (4 * r + 3 + size_t(blocks_per_seq_)) * sizeof(int32_t));
+        step(b, (4 * r + 3 + size_t(blocks_per_seq_)) * sizeof(int32_t)),
+        ss(fold ? b : nullptr, fold ? r * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
     fused_ = std::move(fused);
     k_cache_ = std::move(k_cache);
@@ -153,7 +154,7 @@ void Target::finalize() {
     key_positions_ = std::move(key_positions);
     x_ = std::move(x); xn_ = std::move(xn); qkv_ = std::move(qkv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
-    logits_ = std::move(logits); step_i32_ = std::move(step);
+    logits_ = std::move(logits); step_i32_ = std::move(step); ss_ = std::move(ss);
     folded_ = fold;
     layers_.clear();
     for (int i = 0; i < L; ++i) {
@@ -264,11 +265,15 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
         // Folded (folded_): the q/k/v and gate/up GEMMs norm x_ themselves and o_proj / down add into
         // x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
-        const GemmFuse normed{folded_ ? eps : 0.f, false}, residual{0.f, true};
+        // The residual-adding GEMMs leave the rows' sums of squares in ss_ for the norming GEMM after them
+        // (GemmFuse::ss_out / ss_in); the first layer's x_ comes from embed, without them.
+        float *ss = ss_.as<float>();
+        const GemmFuse residual{0.f, true, nullptr, ss};
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
-            backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows, normed);
+            backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
+                           GemmFuse{folded_ ? eps : 0.f, false, folded_ && l > 0 ? ss : nullptr, nullptr});
             backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
                                           qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
@@ -282,7 +287,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
             if (folded_) {
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, residual);
                 backend_->gemm_swiglu(x_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                      mlp_.get(), gemm_rows, normed);
+                                      mlp_.get(), gemm_rows, GemmFuse{eps, false, ss, nullptr});
                 backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, x_.get(), H, gemm_rows, residual);
                 if (last) backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
             } else {

@@ -106,6 +106,7 @@ private:
     // tokens [max_rows], positions [max_rows], slots [max_rows], key count [1], the sequence's
     // block table [blocks_per_seq]; then the posterior [max_rows] and the result [2].
     DeviceBuffer step_i32_;
+    DeviceBuffer ss_;  // folded_: the rows' sums of squares between GEMMs (GemmFuse::ss_out / ss_in)
     int32_t *step_table() const { return step_i32_.as<int32_t>() + 3 * max_rows_ + 1; }
     int32_t *step_posterior() const { return step_table() + blocks_per_seq_; }
     int32_t *step_result() const { return step_posterior() + max_rows_; }

@@ -506,8 +506,20 @@ public:
               GemmFuse fuse) override {
         std::vector<float> xf = get(x, size_t((m - 1) * ldx + w.cols));
         std::vector<float> yf = get(y, size_t((m - 1) * ldy + w.rows));
-        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy, GemmRows::Uniform, fuse);
+        GemmFuse f = fuse;
+        f.ss_out = nullptr;
+        h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy, GemmRows::Uniform, f);
         put(y, yf, "gemm");
+        if (fuse.ss_out) {  // of the stored (bf16-rounded) values, as the cuda epilogue sums them
+            const std::vector<float> stored = get(y, size_t((m - 1) * ldy + w.rows));
+            for (int64_t i = 0; i < m; ++i)
+                for (int64_t p = 0; p < ss_parts(w.rows); ++p) {
+                    float sq = 0.f;
+                    for (int64_t n = p * 16; n < std::min(w.rows, p * 16 + 16); ++n)
+                        sq += stored[size_t(i * ldy + n)] * stored[size_t(i * ldy + n)];
+                    fuse.ss_out[i * ss_parts(w.rows) + p] = sq;
+                }
+        }
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
               const int32_t *positions, const float *inv_freq, float factor) override {
@@ -915,6 +927,15 @@ void test_head_norm_rope() {
 // gemm
 // ----------------------------------------------------------------------------------------------
 
+// GemmFuse's row statistics of x[m, k] (bf16-exact values): each row's sum of squares per 16 columns.
+std::vector<float> sq_parts(const std::vector<float> &x, int64_t m, int64_t k) {
+    const int64_t parts = ss_parts(k);
+    std::vector<float> out(size_t(m * parts), 0.f);
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c) out[size_t(r * parts + c / 16)] += x[size_t(r * k + c)] * x[size_t(r * k + c)];
+    return out;
+}
+
 void test_gemm() {
     Group g("gemm");
     if (!g.enabled()) return;
@@ -993,11 +1014,14 @@ void test_gemm_rows_agree() {
                       if (tiled) wc = tiled_weight(be, wc);
                       DeviceBuffer xc = upload_act(be, x);
                       DeviceBuffer scratch(&be, size_t(33 * w_rows) * act_size(be));
+                      const std::vector<float> parts = sq_parts(x, 33, k);  // norm: each row's own, per 16 columns
+                      DeviceBuffer ss_in = upload_bytes(be, parts.data(), parts.size() * sizeof(float));
                       // y rows of x rows [row0, row0 + m)
                       auto rows = [&](int64_t row0, int64_t m) {
                           DeviceBuffer y = poisoned(be, size_t(m * n) * act_size(be));
                           const char *xr = static_cast<const char *>(xc.get()) + size_t(row0 * k) * act_size(be);
-                          const GemmFuse fuse{norm ? 1e-6f : 0.f, false};
+                          GemmFuse fuse{norm ? 1e-6f : 0.f, false};
+                          if (norm) fuse.ss_in = ss_in.as<float>() + row0 * ss_parts(k);
                           if (sh.swiglu)
                               be.gemm_swiglu(xr, m, k, wc.view, n, scratch.get(), y.get(), GemmRows::Uniform, fuse);
                           else
@@ -1077,8 +1101,11 @@ void test_gemm_fused() {
     if (g_opt.level <= QUICK)
         shapes = {{1, 300, 136, false}, {17, 12288, 1024, false}, {16, 1024, 512, true}, {100, 300, 136, false},
                   {7, 300, 100, false}};
-    struct Mode { bool norm, accumulate; const char *name; };
-    const Mode modes[] = {{true, false, "norm"}, {false, true, "accumulate"}, {true, true, "norm+accumulate"}};
+    // parts: the norm's sums of squares given (ss_in, as the model passes them from the GEMM before), or not
+    // (the backend norms x first); accumulate also asks for the new y's (ss_out, checked against y).
+    struct Mode { bool norm, parts, accumulate; const char *name; };
+    const Mode modes[] = {{true, true, false, "norm"},           {true, false, false, "norm without parts"},
+                          {false, false, true, "accumulate"},    {true, true, true, "norm+accumulate"}};
     for (const Shape &sh : shapes)
         for (bool tiled : {false, true})
             for (const Mode &mode : modes) {
@@ -1098,20 +1125,31 @@ void test_gemm_fused() {
                           DeviceBuffer x_h = upload_act(*H, x), x_c = upload_act(*C, x);
                           DeviceBuffer y_h = mode.accumulate ? upload_act(*H, y0) : poisoned(*H, y0.size() * act_size(*H));
                           DeviceBuffer y_c = mode.accumulate ? upload_act(*C, y0) : poisoned(*C, y0.size() * act_size(*C));
-                          const GemmFuse fuse{mode.norm ? 1e-6f : 0.f, mode.accumulate};
+                          const GemmFuse fuse_h{mode.norm ? 1e-6f : 0.f, mode.accumulate};  // the host sums itself
+                          GemmFuse fuse_c = fuse_h;
+                          const std::vector<float> parts_in = sq_parts(x, m, k);
+                          DeviceBuffer ss_in = upload_bytes(*C, parts_in.data(), parts_in.size() * sizeof(float));
+                          const size_t n_out = size_t(m * ss_parts(out_cols));
+                          DeviceBuffer ss_out = poisoned(*C, n_out * sizeof(float));
+                          if (mode.parts) fuse_c.ss_in = ss_in.as<float>();
+                          if (mode.accumulate) fuse_c.ss_out = ss_out.as<float>();
                           const GemmRows rows = wide ? GemmRows::Wide : GemmRows::Uniform;
                           if (sh.swiglu) {
                               DeviceBuffer s_h(H, size_t(m * w_rows) * act_size(*H));
                               DeviceBuffer s_c(C, size_t(m * w_rows) * act_size(*C));
-                              H->gemm_swiglu(x_h.get(), m, k, w_h.view, sh.n, s_h.get(), y_h.get(), GemmRows::Uniform, fuse);
-                              C->gemm_swiglu(x_c.get(), m, k, w_c.view, sh.n, s_c.get(), y_c.get(), rows, fuse);
+                              H->gemm_swiglu(x_h.get(), m, k, w_h.view, sh.n, s_h.get(), y_h.get(), GemmRows::Uniform,
+                                             fuse_h);
+                              C->gemm_swiglu(x_c.get(), m, k, w_c.view, sh.n, s_c.get(), y_c.get(), rows, fuse_c);
                           } else {
-                              H->gemm(x_h.get(), m, k, w_h.view, y_h.get(), out_cols, GemmRows::Uniform, fuse);
-                              C->gemm(x_c.get(), m, k, w_c.view, y_c.get(), out_cols, rows, fuse);
+                              H->gemm(x_h.get(), m, k, w_h.view, y_h.get(), out_cols, GemmRows::Uniform, fuse_h);
+                              C->gemm(x_c.get(), m, k, w_c.view, y_c.get(), out_cols, rows, fuse_c);
                           }
                           sync(*C);
-                          c.close("y", download_act(*C, y_c.get(), y0.size()), download_act(*H, y_h.get(), y0.size()),
-                                  kTolBf16);
+                          const std::vector<float> y_cuda = download_act(*C, y_c.get(), y0.size());
+                          c.close("y", y_cuda, download_act(*H, y_h.get(), y0.size()), kTolBf16);
+                          if (mode.accumulate)  // the sums of squares of what cuda stored, in fp32
+                              c.close("ss_out", download_vec<float>(*C, ss_out.get(), n_out), sq_parts(y_cuda, m, out_cols),
+                                      1e-5);
                       });
             }
     g.run("fold_norm [300, 136] and [64, 4096]", [&](Case &c) {

@@ -173,6 +173,15 @@ __device__ __forceinline__ uint32_t load_act_u16(const void *p) {
     return v;
 }
 
+__device__ __forceinline__ float load_act_f32(const float *p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// backend.hpp's ss_parts (GemmFuse's 16-column parts per row), for device code.
+__host__ __device__ inline int64_t ss_parts_of(int64_t width) { return (width + 15) / 16; }
+
 // A kill switch of the environment: on unless the variable is set to something starting with "0".
 // Callers read it once (a function-local static) so a switch holds for the process.
 inline bool env_switch_on(const char *name) {

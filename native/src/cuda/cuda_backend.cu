@@ -145,15 +145,21 @@ public:
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         const bool wide = takes_wide(rows, x, m, ldx, wd, w);
         static const bool fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
-        const bool unfuse = (fuse.norm_eps > 0.f && !fold_norm_in()) || (fuse.accumulate && !fold_add_in);
-        if (fuse.any() && (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
+        const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in() || !fuse.ss_in || fuse.ss_out)) ||
+                            (fuse.accumulate && !fold_add_in);  // (one kernel norms or sums, not both)
+        if ((fuse.any() || fuse.ss_out) &&
+            (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
             // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product
-            // into scratch, then the residual add.
+            // into scratch, then the residual add, then the sums of squares asked for.
             const void *in = normed_input(x, m, ldx, w.cols, fuse.norm_eps, &ldx);
-            if (!fuse.accumulate) return gemm(in, m, ldx, w, y, ldy, rows, GemmFuse{});
-            void *product = grow(product_scratch_, size_t(m * w.rows) * sizeof(bf16));
-            gemm(in, m, ldx, w, product, w.rows, rows, GemmFuse{});
-            cuda::add(as_bf16(y), as_bf16(product), m * w.rows, stream_);
+            if (!fuse.accumulate) {
+                gemm(in, m, ldx, w, y, ldy, rows, GemmFuse{});
+            } else {
+                void *product = grow(product_scratch_, size_t(m * w.rows) * sizeof(bf16));
+                gemm(in, m, ldx, w, product, w.rows, rows, GemmFuse{});
+                cuda::add(as_bf16(y), as_bf16(product), m * w.rows, stream_);
+            }
+            if (fuse.ss_out) cuda::row_sq_parts(as_bf16(y), m, w.rows, ldy, fuse.ss_out, stream_);
             return;
         }
         if (wide)
@@ -176,15 +182,13 @@ public:
         *ld = K;
         return normed;
     }
-    // Off by default; DFLASH_FUSED_NORM=1 folds norms into the small-M kernels (read once). Measured on
-    // the H200 (session 14): the folded-norm GEMMs' sums of squares (two more mma per k step) make them
-    // 13-14% slower, more than the two add + RMSNorm kernels per layer they replace: verify 1.05x,
-    // decode 1.07x, propose 1.03x the unfolded step. Kept, validated, for a cheaper sum of squares.
+    // On by default; DFLASH_FUSED_NORM=0 (read once) keeps the norm kernels. Session 14's first version
+    // (sums of squares by two more mma per k step) made verify 1.05x, decode 1.07x and propose 1.03x
+    // slower; this one takes them from the producer's epilogue (GemmFuse::ss_out / ss_in). Session 15 on
+    // the H200 against DFLASH_FUSED_NORM=0: decode 0.977x and 0.983x (two runs), verify 0.994x, propose
+    // 8B 0.991x, 4B 1.013x.
     bool folds_norms() const override {
-        static const bool on = [] {
-            const char *v = std::getenv("DFLASH_FUSED_NORM");
-            return v && v[0] == '1';
-        }();
+        static const bool on = env_switch_on("DFLASH_FUSED_NORM");
         return on && cuda::fused_norm_supported();
     }
     void fold_norm(WeightView w, WeightView g) override {
@@ -247,12 +251,12 @@ public:
                                    stream_);
             return;
         }
-        if (fuse.norm_eps > 0.f && !fold_norm_in()) {  // the A/B switch: norm first, then the plain kernel
+        if (fuse.norm_eps > 0.f && (!fold_norm_in() || !fuse.ss_in)) {  // norm first, then the plain kernel
             x = normed_input(x, m, ldx, gate_up.cols, fuse.norm_eps, &ldx);
-            fuse.norm_eps = 0.f;
+            fuse = GemmFuse{};
         }
         if (!fused || !cuda::gemm_swiglu(as_bf16(x), m, ldx, w, gate_up.tiled, inter, gate_up.cols, as_bf16(out),
-                                         inter, stream_, fuse.norm_eps))
+                                         inter, stream_, fuse))
             Backend::gemm_swiglu(x, m, ldx, gate_up, inter, gate_up_scratch, out, rows, fuse);
     }
     void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,

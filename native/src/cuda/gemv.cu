@@ -31,15 +31,14 @@
 // Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
 // never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
 //
-// A folded RMSNorm (NORM, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
+// A folded RMSNorm (FUSE kNorm, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
 // stream and w's columns carry the norm's weight, so a row's product only needs its factor
-// rsqrt(mean(x^2) + eps). A block's slices read the whole of K, so the block has each row's sum of
-// squares: two more mma per k step with x as both operands (D = x . x^T, whose diagonal is the sum),
-// summed over the slices in order like the product. A row's factor depends on that row alone and
-// on nothing M decides, so batch invariance holds. The Store epilogue may also accumulate (y +=
-// the rounded product): the residual add. Off by default (DFLASH_FUSED_NORM=1): on the H200 those mma
-// made the q/k/v and gate/up GEMMs 13-14% slower (session 14, --profile), more than the norm kernels
-// they replace cost; a sum of squares from the producer's epilogue is the next thing to try.
+// rsqrt(mean(x^2) + eps). The sums of squares come from the GEMM that wrote x (the o_proj or down
+// before it, which accumulated into the residual stream): its Store epilogue sums each row's stored
+// values' squares per 16 columns (GemmFuse::ss_out, kStats), and this kernel adds those parts in a fixed
+// order before its k loop (row_scales), so its k loop is the plain one. A row's factor depends on
+// that row alone and on nothing M decides, so batch invariance holds. On by default
+// (DFLASH_FUSED_NORM=0 turns it off: cuda_backend.cu's folds_norms).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -59,6 +58,11 @@ constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
 // column groups take gate columns, the other half the same up columns (pair later), and the block
 // stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
 enum class Epilogue { Store, Logits, Argmax, SwiGLU };
+
+// What a ring-fed kernel fuses (GemmFuse), a template argument so the plain kernels stay as they are:
+// kPlain (accumulate is a runtime flag), kNorm (a folded norm: ss_in), kStats (Store: ss_out, the
+// stored rows' sums of squares for the norming GEMM after it).
+constexpr int kPlain = 0, kNorm = 1, kStats = 2;
 
 struct ArgmaxPartial {
     float value;
@@ -199,47 +203,42 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
     }
 }
 
-// The sums of squares of the tile's x rows over one chunk (NORM): ss[0] += x . (rows 0..7)^T and
-// ss[1] += x . (rows 8..15)^T, B being x's own fragments (mma_chunk's relabelled k on both sides).
-// Row g's sum is then ss[0][g & 1] and row g + 8's ss[1][2 + (g & 1)] of lane (g, q = g / 2).
-__device__ __forceinline__ void ss_chunk(float ss[2][4], const uint32_t x0[8], const uint32_t x1[8]) {
+// A folded norm (kNorm) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
+// parts of 16 columns), not from its own k loop: summing them with two more mma per k step made the
+// q/k/v and gate/up GEMMs 13-14% slower on the H200 (session 14). row_scale: the tile's factors
+// rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly:
+// the same order for every row whatever M is); rows past M get 0 (never stored).
+__device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64_t M, int64_t K, float eps,
+                                           float *row_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t parts = ss_parts_of(K);
+    for (int r = warp; r < kTileM; r += kWarps) {
+        const int64_t m = m0 + r;
+        float sum = 0.f;
+        if (m < M)
+            for (int64_t p = lane; p < parts; p += 32) sum += load_act_f32(ss_in + m * parts + p);  // after pdl_wait
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
-        mma_bf16_16816(ss[0], a[0], a[1], a[2], a[3], x0[2 * s], x0[2 * s + 1]);
-        mma_bf16_16816(ss[1], a[0], a[1], a[2], a[3], x1[2 * s], x1[2 * s + 1]);
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
     }
 }
 
-// A folded norm's inputs to finish_tile (NORM): the warp's ss_chunk sums, shared memory for the
-// slices' ([KS][16] floats), eps and K (the mean's divisor). Only column group 0 sums squares (every
-// group reads the same x). (Summing only over a persistent block's first column block left the
-// ks 2 / ks 4 SwiGLU kernels spilling at 128 registers.)
-struct NormTile {
-    const float (*ss)[4];
-    float *red;
-    float eps;
-    int64_t K;
-};
-
 // The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
-// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y),
-// finished as logits, or reduced to per-block argmax partials. NORM: scaled by the row's factor
-// first (its slices' sums of squares added in the same order).
-template <int KS, Epilogue E, bool NORM = false>
+// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y; kStats:
+// and each row's sum of squares of the stored values per 16 columns, a half-warp butterfly),
+// finished as logits, or reduced to per-block argmax partials. kNorm: scaled by the row's factor
+// first (row_scale, in shared memory).
+template <int KS, Epilogue E, int FUSE = kPlain>
 __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
                                             float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
                                             float multiplier, float softcap, float *logits_out,
-                                            ArgmaxPartial *partial, int64_t pair = 0, NormTile norm = {},
-                                            bool accumulate = false) {
+                                            ArgmaxPartial *partial, int64_t pair = 0,
+                                            const float *row_scale = nullptr, bool accumulate = false,
+                                            float *ss_out = nullptr) {
     constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    static_assert(kBlockCols % 16 == 0 && kTileM * kBlockCols % (kWarps * 32) == 0,
+                  "ss_out's 16-column parts are aligned half-warps, and every thread runs every pass");
     auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
-    if constexpr (NORM) {
-        if (wt.group == 0 && wt.q == (wt.g >> 1)) {
-            norm.red[wt.slice * kTileM + wt.g] = norm.ss[0][wt.g & 1];
-            norm.red[wt.slice * kTileM + wt.g + 8] = norm.ss[1][2 + (wt.g & 1)];
-        }
-    }
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
 #pragma unroll
     for (int t = 0; t < kNt; ++t) {
@@ -257,17 +256,21 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
         float v = at(0, r, cc);
 #pragma unroll
         for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
-        if constexpr (NORM) {
-            float ss = norm.red[r];
-#pragma unroll
-            for (int sl = 1; sl < KS; ++sl) ss += norm.red[sl * kTileM + r];
-            v *= rsqrtf(ss / float(norm.K) + norm.eps);
-        }
+        if constexpr (FUSE == kNorm) v *= row_scale[r];
         const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
         if constexpr (E == Epilogue::Store) {
+            float stored = 0.f;
             if (m < M && n < N) {
                 bf16 &out = y[m * ldy + n];
-                out = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                const bf16 o = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                out = o;
+                stored = to_float(o);
+            }
+            if constexpr (FUSE == kStats) {  // the 16 lanes of a part hold one row's 16 columns
+                float sq = stored * stored;
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts_of(N) + n / 16] = sq;
             }
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
@@ -362,12 +365,12 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
-template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, bool NORM = false>
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPlain>
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
-                   int64_t col_blocks, float norm_eps, bool accumulate) {
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
@@ -375,7 +378,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
-    static_assert(!NORM || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
+    static_assert(FUSE != kNorm || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
+    static_assert(FUSE != kStats || E == Epilogue::Store, "only a store sums its rows' squares");
     constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
     static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
     constexpr int S = ring_stages<TILED, PERSIST>();
@@ -466,10 +470,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if (x_loaded < total) load_x_next(xs[a]);
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
-    NormTile norm{nullptr, nullptr, norm_eps, K};
-    if constexpr (NORM) {
-        __shared__ float ss_red[KS * kTileM];
-        norm.red = ss_red;
+    float *row_scale = nullptr;
+    if constexpr (FUSE == kNorm) {  // read by finish_tile after its barrier
+        __shared__ float scales[kTileM];
+        row_scales(ss_in, wt.m0, M, K, norm_eps, scales);
+        row_scale = scales;
     }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
@@ -478,7 +483,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // the previous column block's finish_tile is done with red
         }
         float acc[kNt][4] = {};
-        float ss[2][4] = {};  // NORM: the rows' sums of squares (ss_chunk)
         for (int64_t j = 0; j < n_chunks; ++j) {
             cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             __syncwarp();            // ... and every lane's; all are done reading the one before
@@ -499,8 +503,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             uint32_t nx[2][8] = {};  // x kXAhead chunks on, loaded before this one's mma
             if (x_loaded < total) load_x_next(nx);
             mma_chunk(acc, xs[0][0], xs[0][1], wb);
-            if constexpr (NORM)
-                if (wt.group == 0) ss_chunk(ss, xs[0][0], xs[0][1]);  // warp-uniform
 #pragma unroll
             for (int a = 0; a < kXAhead; ++a)
 #pragma unroll
@@ -513,9 +515,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
         }
         if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
-        norm.ss = ss;
-        finish_tile<KS, E, NORM>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair, norm,
-                                 accumulate);
+        finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
+                                 row_scale, accumulate, ss_out);
     }
 }
 
@@ -553,19 +554,19 @@ struct DeviceFacts {
     bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (norm_keeps_occupancy)
 };
 
-template <int KS, Epilogue E, bool NORM = false>
+template <int KS, Epilogue E, int FUSE = kPlain>
 void allow_stream_smem() {
-    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, NORM>,
-                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, false>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
-    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, NORM>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, NORM>})
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true, true>())));
 }
@@ -573,32 +574,40 @@ void allow_stream_smem() {
 template <int KS>
 void allow_stream_smem_all() {
     allow_stream_smem<KS, Epilogue::Store>();
-    allow_stream_smem<KS, Epilogue::Store, true>();
+    allow_stream_smem<KS, Epilogue::Store, kNorm>();
+    allow_stream_smem<KS, Epilogue::Store, kStats>();
     allow_stream_smem<KS, Epilogue::Logits>();
     allow_stream_smem<KS, Epilogue::Argmax>();
     if constexpr (KS < 8) {
         allow_stream_smem<KS, Epilogue::SwiGLU>();
-        allow_stream_smem<KS, Epilogue::SwiGLU, true>();
+        allow_stream_smem<KS, Epilogue::SwiGLU, kNorm>();
     }
 }
 
-// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, NORM> resident per SM.
-template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, bool NORM = false>
+// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, FUSE> resident per SM.
+template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, int FUSE = kPlain>
 int stream_occupancy() {
     int blocks = 0;
     DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, NORM>, kWarps * 32,
+        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, FUSE>, kWarps * 32,
         stream_smem_bytes<KS, TILED, PERSIST>()));
     return blocks;
 }
 
-// Whether the folded-norm kernels (their sums-of-squares mma and shared memory on top of the plain
-// ones') are as resident as the plain kernels the tilings were scored with, every k-split and layout.
+// Whether the fused kernels (FUSE: kNorm, kStats) are as resident as the plain ones the tilings were
+// scored with, every layout.
+template <int KS, Epilogue E, int FUSE>
+bool fuse_keeps_occupancy() {
+    return stream_occupancy<KS, false, false, E, FUSE>() == stream_occupancy<KS, false, false, E>() &&
+           stream_occupancy<KS, true, false, E, FUSE>() == stream_occupancy<KS, true, false, E>() &&
+           stream_occupancy<KS, true, true, E, FUSE>() == stream_occupancy<KS, true, true, E>();
+}
 template <int KS, Epilogue E>
 bool norm_keeps_occupancy() {
-    return stream_occupancy<KS, false, false, E, true>() == stream_occupancy<KS, false, false, E>() &&
-           stream_occupancy<KS, true, false, E, true>() == stream_occupancy<KS, true, false, E>() &&
-           stream_occupancy<KS, true, true, E, true>() == stream_occupancy<KS, true, true, E>();
+    if constexpr (E == Epilogue::Store)
+        return fuse_keeps_occupancy<KS, E, kNorm>() && fuse_keeps_occupancy<KS, E, kStats>();
+    else
+        return fuse_keeps_occupancy<KS, E, kNorm>();
 }
 
 const DeviceFacts &device_facts() {
@@ -735,44 +744,51 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
              " (a grid holds 65535)");
     const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
     const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
-    if (fuse.any() && !(w_tiled || stream))
+    if ((fuse.any() || fuse.ss_out) && !(w_tiled || stream))
         fail(DFLASH_STATUS_INTERNAL, "gemm: a fused norm / accumulate without the ring-fed kernel");
     if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
     if (fuse.norm_eps > 0.f && !device_facts().norm_ok)
         fail(DFLASH_STATUS_INTERNAL, "gemm: folded-norm kernels do not fit as the plain ones (norm_ok)");
-    auto go = [&](auto ks, auto norm) {
+    if (fuse.norm_eps > 0.f && !fuse.ss_in)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: a folded norm needs its rows' sums of squares (GemmFuse::ss_in)");
+    if (fuse.ss_out && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store writes ss_out");
+    auto go = [&](auto ks, auto fuse_mode) {
         constexpr int KS = decltype(ks)::value;
-        constexpr bool NORM = decltype(norm)::value;
-        if constexpr ((kSwiGLU && KS == 8) || (NORM && E != Epilogue::Store && !kSwiGLU)) {
-            return;  // never chosen (swiglu_ks; norms feed GEMMs and the MLP only)
+        constexpr int FUSE = decltype(fuse_mode)::value;
+        if constexpr ((kSwiGLU && KS == 8) || (FUSE == kNorm && E != Epilogue::Store && !kSwiGLU) ||
+                      (FUSE == kStats && E != Epilogue::Store)) {
+            return;  // never chosen (swiglu_ks; norms feed GEMMs and the MLP, sums come from stores)
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, NORM>
-                                            : gemm_stream_kernel<KS, E, true, kM, true, NORM>)
-                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, NORM>
-                                              : gemm_stream_kernel<KS, E, false, kM, false, NORM>)
-                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, NORM>
-                                              : gemm_stream_kernel<KS, E, true, kM, false, NORM>)
-                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, NORM>;
+            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                            : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
+                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
+                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
             const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
                    multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
-                   fuse.norm_eps, fuse.accumulate);
-        } else if constexpr (!kSwiGLU && !NORM) {
+                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
+        } else if constexpr (!kSwiGLU && FUSE == kPlain) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
         }
     };
     using std::integral_constant;
+    if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
     auto go_norm = [&](auto ks) {
         if (fuse.norm_eps > 0.f)
-            go(ks, std::true_type{});
+            go(ks, integral_constant<int, kNorm>{});
+        else if (fuse.ss_out)
+            go(ks, integral_constant<int, kStats>{});
         else
-            go(ks, std::false_type{});
+            go(ks, integral_constant<int, kPlain>{});
     };
     switch (t.ks) {
         case 1: go_norm(integral_constant<int, 1>{}); break;
@@ -830,12 +846,11 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 }
 
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
-                 bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps) {
+                 bf16 *out, int64_t ldo, cudaStream_t s, GemmFuse fuse) {
+    if (fuse.accumulate || fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu neither accumulates nor sums");
     if (!ring_fed_fits(x, ldx, w, w_tiled, K) || swiglu_ks(inter, K, w_tiled) == 0) return false;
-    if (norm_eps > 0.f && !fused_norm_supported()) return false;
+    if (fuse.norm_eps > 0.f && (!fuse.ss_in || !fused_norm_supported())) return false;
     if (M == 0 || inter == 0) return true;
-    GemmFuse fuse;
-    fuse.norm_eps = norm_eps;
     launch_gemm<Epilogue::SwiGLU>(x, M, ldx, w, w_tiled, 2 * inter, K, out, ldo, 1.f, 0.f, nullptr, nullptr, s,
                                   inter, fuse);
     return true;

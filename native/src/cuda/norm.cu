@@ -100,7 +100,30 @@ __global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const
     for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(xr[i], wv[i], inv);
 }
 
+// One thread per (row, part of 16 columns), the squares summed in column order.
+__global__ void row_sq_parts_kernel(const bf16 *y, int64_t M, int64_t N, int64_t ldy, float *ss_out) {
+    pdl_prologue();
+    const int64_t parts = ss_parts_of(N);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < M * parts;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t m = i / parts, n0 = i % parts * 16;
+        float sq = 0.f;
+        for (int64_t n = n0; n < N && n < n0 + 16; ++n) {
+            const float v = to_float(y[m * ldy + n]);
+            sq += v * v;
+        }
+        ss_out[i] = sq;
+    }
+}
+
 }  // namespace
+
+void row_sq_parts(const bf16 *y, int64_t M, int64_t N, int64_t ldy, float *ss_out, cudaStream_t s) {
+    const int64_t n = M * ss_parts_of(N);
+    if (n == 0) return;
+    launch(row_sq_parts_kernel, unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)), kThreads, 0, s, y,
+           M, N, ldy, ss_out);
+}
 
 void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
               const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s) {

@@ -62,9 +62,12 @@ void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
 // out[m, inter] = silu(g) * u of the GEMM with the fused [gate; up] weight w ([2 * inter, K]), in one
 // kernel (each rounded to bf16 first, as gemm + swiglu round them); false (nothing launched) where
 // no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run (or, with
-// norm_eps > 0, a folded norm cannot: gemm_fuse_fits).
+// fuse.norm_eps > 0, a folded norm cannot: gemm_fuse_fits, fuse.ss_in given).
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,
-                 bf16 *out, int64_t ldo, cudaStream_t s, float norm_eps = 0.f);
+                 bf16 *out, int64_t ldo, cudaStream_t s, GemmFuse fuse = {});
+// ss_out[m, ss_parts(N)] = the rows' sums of squares of y[m, N] (row stride ldy) per 16 columns
+// (GemmFuse::ss_out where the GEMM did not fuse it).
+void row_sq_parts(const bf16 *y, int64_t M, int64_t N, int64_t ldy, float *ss_out, cudaStream_t s);
 // Whether the small-M kernels fold norms on this device (the ring-fed kernel runs and its folded-norm
 // variants are as resident as the plain ones), and whether a call of this layout takes them.
 bool fused_norm_supported();
