@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 namespace dflash {
 namespace {
@@ -150,6 +151,18 @@ void Drafter::finalize() {
         kv_names.push_back(layer_name(i, "self_attn.v_proj.weight"));
     }
     WeightStore::Tensor fused_kv = weights_.fuse_rows(kv_names);
+    // The block's q and K/V come from the same normed rows: one GEMM over [q_proj; k_proj; v_proj] per layer
+    // (one launch fewer per layer, at 2 kv_width x H more weights per layer than fused_kv alone);
+    // DFLASH_DRAFTER_FUSED_QKV=0 (read once) keeps two GEMMs.
+    static const bool fuse_qkv = [] {
+        const char *v = std::getenv("DFLASH_DRAFTER_FUSED_QKV");
+        return !(v && v[0] == '0');
+    }();
+    std::vector<WeightStore::Tensor> qkv;
+    for (int i = 0; fuse_qkv && i < L; ++i)
+        qkv.push_back(weights_.fuse_rows({layer_name(i, "self_attn.q_proj.weight"),
+                                          layer_name(i, "self_attn.k_proj.weight"),
+                                          layer_name(i, "self_attn.v_proj.weight")}));
     std::vector<WeightStore::Tensor> gate_up;
     for (int i = 0; i < L; ++i)
         gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
@@ -164,10 +177,13 @@ void Drafter::finalize() {
     if ((2 * kv_width_) % kTileRows == 0)  // propose slices it by layer (2 * kv_width rows)
         fused_kv = weights_.tiled_for_gemm(std::move(fused_kv));
     for (auto &t : gate_up) t = weights_.tiled_for_gemm(std::move(t));
+    for (auto &t : qkv) t = weights_.tiled_for_gemm(std::move(t));
     weights_.tile_for_gemm("fc.weight");
-    for (int i = 0; i < L; ++i)
-        for (const char *n : {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"})
+    for (int i = 0; i < L; ++i) {
+        for (const char *n : {"self_attn.o_proj.weight", "mlp.down_proj.weight"})
             weights_.tile_for_gemm(layer_name(i, n));
+        if (!fuse_qkv) weights_.tile_for_gemm(layer_name(i, "self_attn.q_proj.weight"));
+    }
     if (!shared_ && !p_.tie_word_embeddings) weights_.tile_for_gemm("lm_head.weight");  // tied: see Target
 
     const int32_t total_blocks = p_.max_batch * blocks_per_seq_ + 1;
@@ -184,8 +200,10 @@ void Drafter::finalize() {
     Backend *b = backend_.get();
     const size_t g = size_t(gamma_), c = size_t(chunk_rows_), a = act_size_;
     const size_t H = size_t(p_.hidden_size), I = size_t(p_.intermediate_size);
-    DeviceBuffer x(b, g * H * a), xn(b, g * H * a), q(b, g * size_t(q_width_) * a),
-        kv(b, g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
+    // Fused, q_ holds each row's q then its K/V (the qkv GEMM's output) and kv_ is not needed.
+    const size_t qkv_cols = size_t(q_width_ + (fuse_qkv ? 2 * kv_width_ : 0));
+    DeviceBuffer x(b, g * H * a), xn(b, g * H * a), q(b, g * qkv_cols * a),
+        kv(fuse_qkv ? nullptr : b, fuse_qkv ? 0 : g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
         step(b, (4 * g + 2 * c) * sizeof(int32_t)),
@@ -195,6 +213,7 @@ void Drafter::finalize() {
     // Commit.
     fused_kv_ = std::move(fused_kv);
     fused_gate_up_ = std::move(gate_up);
+    fused_qkv_ = std::move(qkv);
     k_cache_ = std::move(k_cache);
     v_cache_ = std::move(v_cache);
     inv_freq_ = std::move(inv_freq);
@@ -212,7 +231,12 @@ void Drafter::finalize() {
         Layer layer;
         layer.input_norm = weight(layer_name(i, "input_layernorm.weight"));
         layer.post_norm = weight(layer_name(i, "post_attention_layernorm.weight"));
-        layer.q_proj = weight(layer_name(i, "self_attn.q_proj.weight"));
+        if (fused_qkv_.empty()) {
+            layer.q_proj = weight(layer_name(i, "self_attn.q_proj.weight"));
+        } else {
+            weights_.erase(layer_name(i, "self_attn.q_proj.weight"));
+            layer.qkv_proj = fused_qkv_[size_t(i)].view();
+        }
         layer.q_norm = weight(layer_name(i, "self_attn.q_norm.weight"));
         layer.k_norm = weight(layer_name(i, "self_attn.k_norm.weight"));
         layer.o_proj = weight(layer_name(i, "self_attn.o_proj.weight"));
@@ -452,16 +476,23 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
     for (int l = 0; l < p_.num_layers; ++l) {
         const Layer &layer = layers_[l];
-        backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
-        // The block's own K/V go through the same (fused) k_proj/v_proj rows as the context.
-        backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv_.get(), kv2);
-        backend_->qkv_norm_rope_write(q_.get(), q_width_, kv_.get(), kv2, width, nh, nkv, hd, &layer.q_norm,
+        // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
+        // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.
+        const int64_t ldq = fused_qkv_.empty() ? q_width_ : q_width_ + kv2, ldkv = fused_qkv_.empty() ? kv2 : ldq;
+        void *kv = fused_qkv_.empty() ? kv_.get() : act(q_, q_width_);
+        if (fused_qkv_.empty()) {
+            backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
+            backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
+        } else {
+            backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
+        }
+        backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
                                       &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
                                       d_slots, k_cache_[l].get(), v_cache_[l].get());
         keys.k_cache = k_cache_[l].get();
         keys.v_cache = v_cache_[l].get();
         AttentionMask mask{layer.causal, layer.window};
-        backend_->attention(q_.get(), q_width_, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
+        backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
                             keys, attn_.get());
         const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
         if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself

@@ -96,6 +96,7 @@ public:
 private:
     struct Layer {
         WeightView input_norm, post_norm, q_proj, q_norm, k_norm, o_proj, gate_up, down;
+        WeightView qkv_proj;  // [q + 2 kv, H] where the block's q and K/V are one GEMM (fused_qkv_), else q_proj
         bool causal = false;
         int32_t window = 0;
     };
@@ -133,6 +134,9 @@ private:
     // built by finalize
     WeightStore::Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...
     std::vector<WeightStore::Tensor> fused_gate_up_;  // per layer [2I, H]
+    // per layer [q + 2 kv, H]: q_proj, k_proj, v_proj rows (the block's q and K/V in one GEMM; its K/V
+    // rows repeat fused_kv_'s); empty where DFLASH_DRAFTER_FUSED_QKV=0
+    std::vector<WeightStore::Tensor> fused_qkv_;
     std::vector<Layer> layers_;
     BlockPool pool_;
     std::vector<DeviceBuffer> k_cache_, v_cache_;  // per layer [blocks, 16, kv_width]
