@@ -153,9 +153,14 @@ void Drafter::finalize() {
     WeightStore::Tensor fused_kv = weights_.fuse_rows(kv_names);
     // The block's q and K/V come from the same normed rows: one GEMM over [q_proj; k_proj; v_proj] per layer
     // (one launch fewer per layer, at 2 kv_width x H more weights per layer than fused_kv alone);
-    // DFLASH_DRAFTER_FUSED_QKV=0 (read at each finalize, so tests cover both) keeps two GEMMs.
+    // DFLASH_DRAFTER_FUSED_QKV=0 (read at each finalize, so tests cover both) keeps two GEMMs, as does a
+    // checkpoint whose q_proj dtype differs from its k_proj / v_proj (tensors may differ in dtype; fused rows
+    // may not).
     const char *fuse_env = std::getenv("DFLASH_DRAFTER_FUSED_QKV");
-    const bool fuse_qkv = !(fuse_env && fuse_env[0] == '0');
+    bool fuse_qkv = !(fuse_env && fuse_env[0] == '0');
+    for (int i = 0; fuse_qkv && i < L; ++i)
+        fuse_qkv = weights_.view(layer_name(i, "self_attn.q_proj.weight")).dtype ==
+                   weights_.view(layer_name(i, "self_attn.k_proj.weight")).dtype;
     std::vector<WeightStore::Tensor> qkv;
     for (int i = 0; fuse_qkv && i < L; ++i)
         qkv.push_back(weights_.fuse_rows({layer_name(i, "self_attn.q_proj.weight"),
