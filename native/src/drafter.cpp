@@ -481,13 +481,14 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         const Layer &layer = layers_[l];
         // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
         // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.
-        const int64_t ldq = fused_qkv_.empty() ? q_width_ : q_width_ + kv2, ldkv = fused_qkv_.empty() ? kv2 : ldq;
-        void *kv = fused_qkv_.empty() ? kv_.get() : act(q_, q_width_);
-        if (fused_qkv_.empty()) {
+        const bool one_gemm = !fused_qkv_.empty();
+        const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
+        void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
+        if (one_gemm) {
+            backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
+        } else {
             backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
             backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
-        } else {
-            backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
         }
         backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
                                       &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,

@@ -144,9 +144,8 @@ public:
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         const bool wide = takes_wide(rows, x, m, ldx, wd, w);
-        static const bool fold_add_in = env_switch_on("DFLASH_GEMM_FOLD_ADD");
         const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in() || !fuse.ss_in || fuse.ss_out)) ||
-                            (fuse.accumulate && !fold_add_in);  // (one kernel norms or sums, not both)
+                            (fuse.accumulate && !fold_add_in());  // (one kernel norms or sums, not both)
         if ((fuse.any() || fuse.ss_out) &&
             (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
             // The same ops unfused: the unit-weight norm into scratch (the weight is folded), the product
@@ -171,6 +170,10 @@ public:
     // its norms or its residual adds as separate kernels, to measure each fusion alone.
     static bool fold_norm_in() {
         static const bool on = env_switch_on("DFLASH_GEMM_FOLD_NORM");
+        return on;
+    }
+    static bool fold_add_in() {
+        static const bool on = env_switch_on("DFLASH_GEMM_FOLD_ADD");
         return on;
     }
     // x's rows RMS-normed with unit weight into scratch (a folded norm where the GEMM cannot fold it), or
