@@ -71,14 +71,18 @@ struct ArgmaxPartial {
 
 constexpr int kNt = 2;        // n-tiles (8 columns each) per warp
 constexpr int kStages = 4;       // chunks per warp ring (gemm_stream_kernel, row-major weights)
-constexpr int kTiledStages = 6;  // the tiled kernel: 2 blocks per SM, so a deeper ring per warp
+constexpr int kTiledStages = 7;  // the tiled kernel: 2 blocks per SM, so a deeper ring per warp
 // A persistent launch (tiled only) keeps finish_tile's sums apart from the ring, which then holds the
 // next column block's chunks: one chunk less, so two blocks still fit on an SM.
 constexpr int kPersistStages = kTiledStages - 1;
 template <bool TILED, bool PERSIST = false>
 __host__ __device__ constexpr int ring_stages() { return PERSIST ? kPersistStages : TILED ? kTiledStages : kStages; }
-constexpr int kRowBytes = kChunk * 2 + 16;          // a ring row: one chunk + 16 bytes (no bank conflicts)
+constexpr int kRowBytes = kChunk * 2;               // a ring row: one chunk of a weight row, 8 pieces of 16 bytes
 constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
+// Where piece `part` of ring row r lies: swizzled (part ^ r % 8), so the 8 lanes of a quad member q, which
+// read rows g = 0..7 at the same pieces, hit 8 different bank groups, without padding the rows (the bytes
+// saved deepen the ring: more weight bytes in flight per SM).
+__device__ __forceinline__ int ring_offset(int r, int part) { return r * kRowBytes + ((part ^ (r & 7)) << 4); }
 
 __device__ __forceinline__ float finish_logit(float v, float multiplier, float softcap) {
     v *= multiplier;
@@ -409,7 +413,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
 #pragma unroll
             for (int q = 0; q < kNt * 64 / 32; ++q) {
                 const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
-                cp_async16(slot + r * kRowBytes + part * 16, band_ok ? tile + p * 8 : w, band_ok);
+                cp_async16(slot + ring_offset(r, part), band_ok ? tile + p * 8 : w, band_ok);
             }
         } else {
 #pragma unroll
@@ -417,7 +421,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
                 const int64_t n = f_col0 + r, k = c0 + part * 8;
                 const bool ok = n < N && k < K;
-                cp_async16(slot + r * kRowBytes + part * 16, ok ? w + n * K + k : w, ok);
+                cp_async16(slot + ring_offset(r, part), ok ? w + n * K + k : w, ok);
             }
         }
         ++filled;
@@ -494,9 +498,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             rs = rs + 1 == S ? 0 : rs + 1;
 #pragma unroll
             for (int nt = 0; nt < kNt; ++nt) {
-                const unsigned char *row = slot + (nt * 8 + wt.g) * kRowBytes + wt.q * 32;
-                const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
-                const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
+                const int row = nt * 8 + wt.g;  // pieces 2q, 2q + 1: k = q*16 .. +15 of the chunk
+                const uint4 v0 = *reinterpret_cast<const uint4 *>(slot + ring_offset(row, 2 * wt.q));
+                const uint4 v1 = *reinterpret_cast<const uint4 *>(slot + ring_offset(row, 2 * wt.q + 1));
                 wb[nt][0] = v0.x, wb[nt][1] = v0.y, wb[nt][2] = v0.z, wb[nt][3] = v0.w;
                 wb[nt][4] = v1.x, wb[nt][5] = v1.y, wb[nt][6] = v1.z, wb[nt][7] = v1.w;
             }
