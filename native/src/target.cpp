@@ -266,8 +266,10 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         // Folded (folded_): the q/k/v and gate/up GEMMs norm x_ themselves and o_proj / down add into
         // x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
         // The residual-adding GEMMs leave the rows' sums of squares in ss_ for the norming GEMM after them
-        // (GemmFuse::ss_out / ss_in); the first layer's x_ comes from embed, without them.
-        float *ss = ss_.as<float>();
+        // (GemmFuse::ss_out / ss_in); the first layer's x_ comes from embed, without them, and the last
+        // down's would have no reader (the final norm kernel sums its rows itself). A prefill chunk (Wide)
+        // takes none: the wide GEMMs norm x themselves and would never read them.
+        float *ss = gemm_rows == GemmRows::Wide ? nullptr : ss_.as<float>();
         const GemmFuse residual{0.f, true, nullptr, ss};
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
@@ -288,7 +290,8 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, residual);
                 backend_->gemm_swiglu(x_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
                                       mlp_.get(), gemm_rows, GemmFuse{eps, false, ss, nullptr});
-                backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, x_.get(), H, gemm_rows, residual);
+                backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, x_.get(), H, gemm_rows,
+                               last ? GemmFuse{0.f, true} : residual);
                 if (last) backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
             } else {
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H, gemm_rows);
