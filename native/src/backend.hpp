@@ -110,7 +110,7 @@ struct GemmFuse {
     float *ss_out = nullptr;
     bool any() const { return norm_eps > 0.f || accumulate; }
 };
-inline int64_t ss_parts(int64_t width) { return (width + 15) / 16; }  // GemmFuse's parts per row
+DFLASH_HOST_DEVICE inline int64_t ss_parts(int64_t width) { return (width + 15) / 16; }  // GemmFuse's parts per row
 
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.

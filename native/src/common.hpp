@@ -15,6 +15,14 @@
 
 #include "dflash.h"
 
+// A small function both compilers build, for the host and (nvcc) the device: formulas the host side and
+// the kernels must agree on live once.
+#if defined(__CUDACC__)
+#define DFLASH_HOST_DEVICE __host__ __device__
+#else
+#define DFLASH_HOST_DEVICE
+#endif
+
 namespace dflash {
 
 class Error : public std::runtime_error {

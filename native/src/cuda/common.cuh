@@ -179,9 +179,6 @@ __device__ __forceinline__ float load_act_f32(const float *p) {
     return v;
 }
 
-// backend.hpp's ss_parts (GemmFuse's 16-column parts per row), for device code.
-__host__ __device__ inline int64_t ss_parts_of(int64_t width) { return (width + 15) / 16; }
-
 // A kill switch of the environment: on unless the variable is set to something starting with "0".
 // Callers read it once (a function-local static) so a switch holds for the process.
 inline bool env_switch_on(const char *name) {

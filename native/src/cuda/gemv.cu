@@ -215,7 +215,7 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
 __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64_t M, int64_t K, float eps,
                                            float *row_scale) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t parts = ss_parts_of(K);
+    const int64_t parts = ss_parts(K);
     for (int r = warp; r < kTileM; r += kWarps) {
         const int64_t m = m0 + r;
         float sum = 0.f;
@@ -274,7 +274,7 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
                 float sq = stored * stored;
 #pragma unroll
                 for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-                if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts_of(N) + n / 16] = sq;
+                if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts(N) + n / 16] = sq;
             }
         } else if constexpr (E == Epilogue::Logits) {
             if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);

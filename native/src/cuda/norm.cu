@@ -103,7 +103,7 @@ __global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const
 // One thread per (row, part of 16 columns), the squares summed in column order.
 __global__ void row_sq_parts_kernel(const bf16 *y, int64_t M, int64_t N, int64_t ldy, float *ss_out) {
     pdl_prologue();
-    const int64_t parts = ss_parts_of(N);
+    const int64_t parts = ss_parts(N);
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < M * parts;
          i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t m = i / parts, n0 = i % parts * 16;
@@ -119,7 +119,7 @@ __global__ void row_sq_parts_kernel(const bf16 *y, int64_t M, int64_t N, int64_t
 }  // namespace
 
 void row_sq_parts(const bf16 *y, int64_t M, int64_t N, int64_t ldy, float *ss_out, cudaStream_t s) {
-    const int64_t n = M * ss_parts_of(N);
+    const int64_t n = M * ss_parts(N);
     if (n == 0) return;
     launch(row_sq_parts_kernel, unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)), kThreads, 0, s, y,
            M, N, ldy, ss_out);
