@@ -111,6 +111,15 @@ struct GemmFuse {
     bool any() const { return norm_eps > 0.f || accumulate; }
 };
 DFLASH_HOST_DEVICE inline int64_t ss_parts(int64_t width) { return (width + 15) / 16; }  // GemmFuse's parts per row
+// GemmFuse::ss_out from host rows: out[i, p] = the sum of y[i, 16p .. 16p + 15]^2 (row stride ldy), in column order.
+inline void sum_square_parts(const float *y, int64_t m, int64_t n, int64_t ldy, float *out) {
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t p = 0; p < ss_parts(n); ++p) {
+            float sq = 0.f;
+            for (int64_t c = p * 16; c < n && c < p * 16 + 16; ++c) sq += y[i * ldy + c] * y[i * ldy + c];
+            out[i * ss_parts(n) + p] = sq;
+        }
+}
 
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.

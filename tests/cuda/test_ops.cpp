@@ -510,16 +510,8 @@ public:
         f.ss_out = nullptr;
         h_->gemm(xf.data(), m, ldx, w, yf.data(), ldy, GemmRows::Uniform, f);
         put(y, yf, "gemm");
-        if (fuse.ss_out) {  // of the stored (bf16-rounded) values, as the cuda epilogue sums them
-            const std::vector<float> stored = get(y, size_t((m - 1) * ldy + w.rows));
-            for (int64_t i = 0; i < m; ++i)
-                for (int64_t p = 0; p < ss_parts(w.rows); ++p) {
-                    float sq = 0.f;
-                    for (int64_t n = p * 16; n < std::min(w.rows, p * 16 + 16); ++n)
-                        sq += stored[size_t(i * ldy + n)] * stored[size_t(i * ldy + n)];
-                    fuse.ss_out[i * ss_parts(w.rows) + p] = sq;
-                }
-        }
+        if (fuse.ss_out)  // of the stored (bf16-rounded) values, as the cuda epilogue sums them
+            sum_square_parts(get(y, size_t((m - 1) * ldy + w.rows)).data(), m, w.rows, ldy, fuse.ss_out);
     }
     void rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
               const int32_t *positions, const float *inv_freq, float factor) override {
@@ -929,10 +921,8 @@ void test_head_norm_rope() {
 
 // GemmFuse's row statistics of x[m, k] (bf16-exact values): each row's sum of squares per 16 columns.
 std::vector<float> sq_parts(const std::vector<float> &x, int64_t m, int64_t k) {
-    const int64_t parts = ss_parts(k);
-    std::vector<float> out(size_t(m * parts), 0.f);
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < k; ++c) out[size_t(r * parts + c / 16)] += x[size_t(r * k + c)] * x[size_t(r * k + c)];
+    std::vector<float> out(size_t(m * ss_parts(k)));
+    sum_square_parts(x.data(), m, k, k, out.data());
     return out;
 }
 

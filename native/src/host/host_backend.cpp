@@ -126,12 +126,7 @@ public:
                 out[i * ldy + n] = fuse.accumulate ? out[i * ldy + n] + v : v;
             }
         }
-        for (int64_t i = 0; fuse.ss_out && i < m; ++i)  // the stored rows' sums of squares per 16 columns
-            for (int64_t p = 0; p < ss_parts(w.rows); ++p) {
-                float sq = 0.f;
-                for (int64_t n = p * 16; n < std::min(w.rows, p * 16 + 16); ++n) sq += out[i * ldy + n] * out[i * ldy + n];
-                fuse.ss_out[i * ss_parts(w.rows) + p] = sq;
-            }
+        if (fuse.ss_out) sum_square_parts(out, m, w.rows, ldy, fuse.ss_out);  // of the stored rows
     }
     // DFLASH_HOST_FOLD=1 only (read at each finalize): the models' folded path on the CPU.
     bool folds_norms() const override {
