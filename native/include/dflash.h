@@ -489,6 +489,9 @@ typedef struct dflash_seq_info {
     int32_t blocks_held;      /* KV blocks held */
     int32_t proposals;        /* proposes since alloc/reset */
     int64_t accepted_drafts;  /* sum of num_accepted over after_verify calls */
+    /* Added after ABI v1's first release: a caller whose struct ends before it (struct_size =
+     * offsetof(dflash_seq_info, graph_replays)) gets the fields before it. */
+    int64_t graph_replays;    /* proposes since alloc/reset whose block replayed a CUDA graph (0 on host) */
 } dflash_seq_info;
 
 DFLASH_API dflash_status dflash_drafter_seq_info(dflash_drafter_seq *seq, dflash_seq_info *out);

@@ -461,8 +461,13 @@ DFLASH_API dflash_status dflash_drafter_seq_info(dflash_drafter_seq *seq, dflash
     return guard([&] {
         checked(seq, Kind::Seq);
         require(out, "out");
-        require_struct(out->struct_size, sizeof(dflash_seq_info), "dflash_seq_info");
-        *out = seq->owner->impl->info(*seq->state);
+        // A caller built before graph_replays passes the size up to it and gets the fields before it.
+        constexpr size_t kBeforeReplays = offsetof(dflash_seq_info, graph_replays);
+        const size_t size = out->struct_size == kBeforeReplays ? kBeforeReplays : sizeof(dflash_seq_info);
+        require_struct(out->struct_size, size, "dflash_seq_info");
+        const dflash_seq_info info = seq->owner->impl->info(*seq->state);
+        std::memcpy(out, &info, size);
+        out->struct_size = uint32_t(size);
     });
 }
 

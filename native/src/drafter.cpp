@@ -209,7 +209,7 @@ void Drafter::finalize() {
         kv(fuse_qkv ? nullptr : b, fuse_qkv ? 0 : g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
-        step(b, (4 * g + 2 * c) * sizeof(int32_t)),
+        step(b, (4 * g + 2 * c + 1) * sizeof(int32_t)),
         probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
         ss(fold ? b : nullptr, fold ? g * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
@@ -445,11 +445,17 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
 
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nh = p_.num_heads, nkv = p_.num_kv_heads;
     const float eps = p_.rms_norm_eps;
+    // A greedy propose without a context window runs its block as a graph (graphs_): the key count then
+    // comes from step_i32_ too. Sampled proposes (their Philox key and sampling parameters are host values
+    // of the launches) and windowed ones (first_key) stay eager.
+    const bool graphed = !sample && p_.ctx_window == 0;
+    const size_t num_keys_at = size_t(4 * gamma_ + 2 * chunk_rows_);
     // Step arguments in one upload, before any kernel (an upload between kernels would stall the
     // programmatic overlap of the two): tokens, query positions and noise slots of the block,
-    // then the pending context rows' positions and slots; the slot positions of both (one
-    // contiguous ring range) in a second.
-    std::vector<int32_t> args(size_t(3 * gamma_ + (pending ? chunk_rows_ + pending : 0)), 0);
+    // then the pending context rows' positions and slots (and, graphed, the key count past the
+    // drafts); the slot positions of both (one contiguous ring range) in a second.
+    std::vector<int32_t> args(graphed ? num_keys_at + 1 : size_t(3 * gamma_ + (pending ? chunk_rows_ + pending : 0)),
+                              0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
     if (pending) pending_args(seq, args.data() + 3 * gamma_);
     for (int32_t j = 0; j < width; ++j) {
@@ -457,77 +463,89 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         q_pos[j] = position + j;
     }
     stamp_slots(seq, seq.cached + pending, q_pos, width, slots);
-    upload_slot_positions(seq, seq.cached, pending + width);
-    int32_t *dev = step_i32_.as<int32_t>();
-    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
-    project_pending(seq, true);
-    const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
-    int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
-
+    const int64_t cached_after = seq.cached + pending;
     PagedKeys keys;
     keys.block_table = seq.table.device();
     keys.slot_positions = seq.slot_positions_dev.as<int32_t>();
     keys.ring_slots = ring_slots_;
     keys.uniform_rows = gamma_;  // every block width splits the keys alike
-    keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, seq.cached - p_.ctx_window) : 0;
-    keys.num_keys = seq.cached - keys.first_key + width;
-
-    backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
-                    x_.get());
-    const int64_t kv2 = 2 * kv_width_;
-    // Each layer's input norm is fused with the residual add that ends the layer before it.
-    backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
-    for (int l = 0; l < p_.num_layers; ++l) {
-        const Layer &layer = layers_[l];
-        // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
-        // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.
-        const bool one_gemm = !fused_qkv_.empty();
-        const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
-        void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
-        if (one_gemm) {
-            backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
-        } else {
-            backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
-            backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
-        }
-        backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
-                                      &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
-                                      d_slots, k_cache_[l].get(), v_cache_[l].get());
-        keys.k_cache = k_cache_[l].get();
-        keys.v_cache = v_cache_[l].get();
-        AttentionMask mask{layer.causal, layer.window};
-        backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
-                            keys, attn_.get());
-        const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
-        if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
-            float *ss = ss_.as<float>();
-            backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, x_.get(), H, GemmRows::Uniform,
-                           GemmFuse{0.f, true, nullptr, ss});
-            backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                  mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false, ss, nullptr});
-            backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, x_.get(), H, GemmRows::Uniform,
-                           GemmFuse{0.f, true});
-            backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);
-        } else {
-            backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
-            backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
-            backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                  mlp_.get());
-            backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
-            backend_->add_rms_norm(x_.get(), xn_.get(), width, H, next_norm, eps, xn_.get());
-        }
+    keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, cached_after - p_.ctx_window) : 0;
+    keys.num_keys = cached_after - keys.first_key + width;
+    int32_t *dev = step_i32_.as<int32_t>();
+    if (graphed) {
+        args[num_keys_at] = int32_t(keys.num_keys);
+        keys.num_keys_device = dev + num_keys_at;
     }
-    if (sample) {  // independent draws from q, which verify then uses as the proposal
-        float *q = probs_.as<float>();
-        backend_->logits(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
-                         p_.final_logit_softcapping, q);
-        backend_->sampling_probs(q, width - 1, p_.vocab_size, sampling->temperature,
-                                 sampling->top_p, sampling->top_k);
-        backend_->sample_rows(q, width - 1, p_.vocab_size, RngKey{sampling->seed, seq.rng_counter},
-                              0, RNG_DRAFT, d_drafts);
+    upload_slot_positions(seq, seq.cached, pending + width);
+    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
+    project_pending(seq, true);
+    const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
+    int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
+
+    auto block = [&] {
+        backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
+                        x_.get());
+        const int64_t kv2 = 2 * kv_width_;
+        // Each layer's input norm is fused with the residual add that ends the layer before it.
+        backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
+        for (int l = 0; l < p_.num_layers; ++l) {
+            const Layer &layer = layers_[l];
+            // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
+            // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.
+            const bool one_gemm = !fused_qkv_.empty();
+            const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
+            void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
+            if (one_gemm) {
+                backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
+            } else {
+                backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
+                backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
+            }
+            backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
+                                          &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
+                                          d_slots, k_cache_[l].get(), v_cache_[l].get());
+            keys.k_cache = k_cache_[l].get();
+            keys.v_cache = v_cache_[l].get();
+            AttentionMask mask{layer.causal, layer.window};
+            backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
+                                keys, attn_.get());
+            const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
+            if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
+                float *ss = ss_.as<float>();
+                backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, x_.get(), H, GemmRows::Uniform,
+                               GemmFuse{0.f, true, nullptr, ss});
+                backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                      mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false, ss, nullptr});
+                backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, x_.get(), H, GemmRows::Uniform,
+                               GemmFuse{0.f, true});
+                backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);
+            } else {
+                backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
+                backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
+                backend_->gemm_swiglu(xn_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
+                                      mlp_.get());
+                backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, xn_.get(), H);
+                backend_->add_rms_norm(x_.get(), xn_.get(), width, H, next_norm, eps, xn_.get());
+            }
+        }
+        if (sample) {  // independent draws from q, which verify then uses as the proposal
+            float *q = probs_.as<float>();
+            backend_->logits(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
+                             p_.final_logit_softcapping, q);
+            backend_->sampling_probs(q, width - 1, p_.vocab_size, sampling->temperature,
+                                     sampling->top_p, sampling->top_k);
+            backend_->sample_rows(q, width - 1, p_.vocab_size, RngKey{sampling->seed, seq.rng_counter},
+                                  0, RNG_DRAFT, d_drafts);
+        } else {
+            backend_->logits_argmax(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
+                                    p_.final_logit_softcapping, d_drafts);
+        }
+    };
+    if (graphed) {
+        if (graphs_.run(*backend_, ProposeKey{width, keys.block_table, keys.slot_positions}, block))
+            ++seq.graph_replays;
     } else {
-        backend_->logits_argmax(act(xn_, H), width - 1, lm_head(), p_.output_multiplier,
-                                p_.final_logit_softcapping, d_drafts);
+        block();
     }
     backend_->download(out_tokens, d_drafts, size_t(width - 1) * sizeof(int32_t));
 
@@ -620,6 +638,7 @@ dflash_seq_info Drafter::info(const DrafterSeq &seq) const {
     s.blocks_held = seq.table.size();
     s.proposals = seq.proposals;
     s.accepted_drafts = seq.accepted_drafts;
+    s.graph_replays = seq.graph_replays;
     return s;
 }
 
@@ -638,11 +657,14 @@ void Drafter::reset(DrafterSeq &seq) {
     seq.rng_counter = 0;
     seq.proposals = 0;
     seq.accepted_drafts = 0;
+    seq.graph_replays = 0;
     if (hidden_owner_ == &seq) hidden_owner_ = nullptr;
 }
 
 void Drafter::forget(const DrafterSeq *seq) {
     if (hidden_owner_ == seq) hidden_owner_ = nullptr;
+    const int32_t *table = seq->table.device();
+    graphs_.erase_if([table](const ProposeKey &k) { return k.table == table; });
 }
 
 }  // namespace dflash

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "graph_cache.hpp"
 #include "kv_cache.hpp"
 #include "rope.hpp"
 #include "weights.hpp"
@@ -45,6 +46,19 @@ struct DrafterSeq {
     uint64_t rng_counter = 0;           // proposes drawn so far (the Philox call counter)
     int32_t proposals = 0;
     int64_t accepted_drafts = 0;
+    int64_t graph_replays = 0;          // proposes whose block ran as a replayed CUDA graph
+};
+
+// A greedy propose's block (embed -> layers -> lm_head argmax) as one CUDA graph per block width and
+// sequence: the sequence's block table and slot positions are the only per-sequence pointers its kernels
+// read; everything that changes between proposes (tokens, positions, slots, the key count) sits in
+// step_i32_ at fixed offsets.
+struct ProposeKey {
+    int32_t width = 0;
+    const int32_t *table = nullptr, *slot_positions = nullptr;
+    bool operator<(const ProposeKey &o) const {
+        return std::tie(width, table, slot_positions) < std::tie(o.width, o.table, o.slot_positions);
+    }
 };
 
 // The target's weights a drafter reads (embed_tokens, lm_head) when created for a target.
@@ -144,7 +158,10 @@ private:
     // scratch (gamma rows for the block, chunk_rows rows for the context projection)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
     DeviceBuffer ss_;  // folded_: the rows' sums of squares from o_proj to gate/up (GemmFuse)
-    DeviceBuffer step_i32_;  // tokens, q positions, noise slots, ctx positions, ctx slots, drafts
+    // tokens [gamma], q positions [gamma], noise slots [gamma], ctx positions [chunk_rows], ctx slots
+    // [chunk_rows], drafts [gamma], the block's key count [1]
+    DeviceBuffer step_i32_;
+    GraphCache<ProposeKey> graphs_;  // greedy proposes' blocks (ctx_window 0)
     DeviceBuffer probs_;     // [block_size, vocab] fp32: sampled proposals' q (or logits)
     const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ (and q) hold
     int32_t hidden_rows_ = 0;

@@ -52,6 +52,13 @@ public:
         return true;
     }
 
+    // Drops the graphs whose keys match (a freed sequence's): their memory, not their correctness, is
+    // the point (a graph reads only through the pointers in its key).
+    template <class Pred>
+    void erase_if(Pred pred) {
+        for (auto it = entries_.begin(); it != entries_.end();) it = pred(it->first) ? entries_.erase(it) : ++it;
+    }
+
 private:
     struct Entry {
         std::unique_ptr<Graph> graph;

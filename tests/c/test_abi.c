@@ -15,6 +15,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1175,6 +1176,20 @@ static void group_struct_size_and_null(void)
     si = seq_info(s);
     CHECK(si.proposals == 0 && si.next_position == 12);
     CHECK_OK(dflash_drafter_seq_propose(s, 3, 12, 7, out, BLK, &n));
+    {   /* a caller built before graph_replays: the fields before it, nothing written past them */
+        dflash_seq_info old, now = seq_info(s);
+        memset(&old, 0x5a, sizeof old);
+        old.struct_size = (uint32_t)offsetof(dflash_seq_info, graph_replays);
+        CHECK_OK(dflash_drafter_seq_info(s, &old));
+        CHECK(old.struct_size == offsetof(dflash_seq_info, graph_replays));
+        CHECK(old.proposals == 1 && old.next_position == now.next_position &&
+              old.accepted_drafts == now.accepted_drafts && old.blocks_held == now.blocks_held);
+        memset(&now, 0x5a, sizeof now);
+        CHECK(memcmp(&old.graph_replays, &now.graph_replays, sizeof old.graph_replays) == 0);
+        old.struct_size = (uint32_t)offsetof(dflash_seq_info, graph_replays) - 8u;
+        EXPECT(dflash_drafter_seq_info(s, &old), S_ARG, "struct_size");
+        CHECK(seq_info(s).graph_replays == 0); /* host: no graphs */
+    }
     EXPECT(dflash_drafter_seq_read_hidden(s, NULL, (int64_t)BLK * HS, &rows), S_ARG, "out");
     EXPECT(dflash_drafter_seq_read_hidden(s, hid, (int64_t)BLK * HS, NULL), S_ARG, "out_rows");
     CHECK_OK(dflash_drafter_seq_read_hidden(s, hid, (int64_t)BLK * HS, &rows));
