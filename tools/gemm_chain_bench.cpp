@@ -1,0 +1,222 @@
+// gemm_chain_bench.cpp: the library's own GEMMs as a decode or verify step runs them, with nothing between
+// them: per layer q/k/v (folded norm), o_proj (+ residual, sums of squares), gate/up + SwiGLU (folded norm),
+// down (+ residual, sums of squares), over L layers of Qwen3-8B-shaped tiled weights, through the cuda
+// backend (programmatic dependent launch as in the library). The counterpart of tools/phase_bench.cu, which
+// streams the same bytes through a GEMM-shaped probe: the difference is what the real kernels add per launch
+// (epilogues, k-split reduces, tilings), and bench.py's decode row minus this is what attention and the rest
+// of the step add.
+//
+// Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
+//   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down]
+// --only repeats one GEMM of each layer (36 back to back): its cost alone. The library's switches apply
+// (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "common.hpp"
+
+using namespace dflash;
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                       \
+    do {                                                                                    \
+        cudaError_t e_ = (x);                                                               \
+        if (e_ != cudaSuccess) {                                                            \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            std::exit(1);                                                                   \
+        }                                                                                   \
+    } while (0)
+
+// Random bf16 bits of magnitude about 2^-7 .. 2^-5 and either sign (never zeros: METHOD.md).
+void fill_random(std::vector<uint16_t> &v, uint64_t seed) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (auto &x : v) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        x = uint16_t(((s >> 20) & 0x8000u) | ((0x78u + (s & 1u)) << 7) | ((s >> 8) & 0x7Fu));
+    }
+}
+
+struct Matrix {
+    void *data = nullptr;
+    WeightView view;
+};
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    int64_t rows = 1, layers = 36, iters = 30;
+    std::string only;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto next = [&]() -> const char * {
+            if (i + 1 >= argc) {
+                std::fprintf(stderr, "%s needs a value\n", a.c_str());
+                std::exit(2);
+            }
+            return argv[++i];
+        };
+        if (a == "--rows") rows = std::atoll(next());
+        else if (a == "--layers") layers = std::atoll(next());
+        else if (a == "--iters") iters = std::atoll(next());
+        else if (a == "--only") only = next();
+        else {
+            std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down]\n");
+            return 2;
+        }
+    }
+    if (rows < 1 || rows > 16 || layers < 1 || iters < 1) {
+        std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1\n");
+        return 2;
+    }
+    if (!only.empty() && only != "qkv" && only != "o_proj" && only != "gate_up" && only != "down") {
+        std::fprintf(stderr, "gemm_chain_bench: --only %s (qkv, o_proj, gate_up or down)\n", only.c_str());
+        return 2;
+    }
+    cudaStream_t stream = nullptr;
+    std::shared_ptr<Backend> b;
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        std::printf("SKIP: no CUDA device\n");
+        return 77;
+    }
+    try {
+        CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        b = make_cuda_backend(0, uint64_t(reinterpret_cast<uintptr_t>(stream)), false);
+    } catch (const Error &e) {
+        std::printf("SKIP: no usable CUDA device: %s\n", e.what());
+        return 77;
+    }
+    const int64_t H = 4096, I = 12288, Q = 4096, KV = 1024, QKV = Q + 2 * KV;
+    const float eps = 1e-6f;
+    const bool tiled = b->tiles_gemm_weights(), folded = b->folds_norms();
+
+    // One layer's matrices as random row-major bf16 on the host, uploaded (and tiled) into every layer's own
+    // device memory: the same values, never the same bytes, so nothing is served from L2 across layers.
+    struct Shape {
+        const char *name;
+        int64_t n, k;
+    };
+    const Shape shapes[4] = {{"qkv", QKV, H}, {"o_proj", H, Q}, {"gate_up", 2 * I, H}, {"down", H, I}};
+    std::vector<std::vector<Matrix>> w(size_t(layers), std::vector<Matrix>(4));
+    size_t weight_bytes = 0;
+    try {
+        for (int m = 0; m < 4; ++m) {
+            const Shape &sh = shapes[m];
+            std::vector<uint16_t> host(size_t(sh.n * sh.k));
+            fill_random(host, uint64_t(m + 1));
+            void *src = b->alloc(host.size() * 2);
+            b->upload(src, host.data(), host.size() * 2);
+            WeightView row_major{src, DFLASH_DTYPE_BF16, sh.n, sh.k, false};
+            for (int64_t l = 0; l < layers; ++l) {
+                Matrix &mx = w[size_t(l)][size_t(m)];
+                const size_t bytes = size_t(tiled ? tiled_elements(sh.n, sh.k) : sh.n * sh.k) * 2;
+                mx.data = b->alloc(bytes);
+                if (tiled)
+                    b->tile_gemm_weight(row_major, mx.data);
+                else
+                    b->copy(mx.data, src, bytes);
+                mx.view = WeightView{mx.data, DFLASH_DTYPE_BF16, sh.n, sh.k, tiled};
+                weight_bytes += size_t(sh.n * sh.k) * 2;
+            }
+            b->synchronize();
+            b->release(src);
+        }
+    } catch (const Error &e) {
+        std::printf("FAIL: allocating %lld layers of weights: %s\n", (long long)layers, e.what());
+        return 1;
+    }
+    // Activations: x (the residual stream), the q/k/v rows, attention's output, gate/up scratch, the MLP
+    // rows, and the rows' sums of squares between GEMMs (ones to start: the first q/k/v reads them).
+    auto act = [&](int64_t cols) {
+        void *p = b->alloc(size_t(16 * cols) * 2);
+        std::vector<uint16_t> v(size_t(16 * cols));
+        fill_random(v, uint64_t(cols));
+        b->upload(p, v.data(), v.size() * 2);
+        return p;
+    };
+    void *x = act(H), *qkv = act(QKV), *attn = act(Q), *gu = act(2 * I), *mlp = act(I);
+    const int64_t parts = ss_parts(H);
+    float *ss = static_cast<float *>(b->alloc(size_t(16 * parts) * sizeof(float)));
+    {
+        std::vector<float> ones(size_t(16 * parts), 1.f);
+        b->upload(ss, ones.data(), ones.size() * sizeof(float));
+    }
+    const GemmFuse norm{folded ? eps : 0.f, false, folded ? ss : nullptr, nullptr};
+    const GemmFuse residual{0.f, folded, nullptr, folded ? ss : nullptr};
+    const bool all = only.empty();
+    size_t step_bytes = 0;
+    auto step = [&] {
+        for (int64_t l = 0; l < layers; ++l) {
+            const auto &lw = w[size_t(l)];
+            if (all || only == "qkv") b->gemm(x, rows, H, lw[0].view, qkv, QKV, GemmRows::Uniform, norm);
+            if (all || only == "o_proj") b->gemm(attn, rows, Q, lw[1].view, x, H, GemmRows::Uniform, residual);
+            if (all || only == "gate_up")
+                b->gemm_swiglu(x, rows, H, lw[2].view, I, gu, mlp, GemmRows::Uniform, norm);
+            if (all || only == "down") b->gemm(mlp, rows, I, lw[3].view, x, H, GemmRows::Uniform, residual);
+        }
+    };
+    for (int m = 0; m < 4; ++m)
+        if (all || only == shapes[m].name) step_bytes += size_t(layers * shapes[m].n * shapes[m].k) * 2;
+
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    auto median_ms = [&](const std::function<void()> &f, int64_t n) {
+        for (int i = 0; i < 3; ++i) f();
+        b->synchronize();
+        std::vector<float> t;
+        for (int64_t i = 0; i < n; ++i) {
+            CHECK_CUDA(cudaEventRecord(e0, stream));
+            f();
+            CHECK_CUDA(cudaEventRecord(e1, stream));
+            CHECK_CUDA(cudaEventSynchronize(e1));
+            float ms = 0.f;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            t.push_back(ms);
+        }
+        std::sort(t.begin(), t.end());
+        return t[t.size() / 2];
+    };
+    float copy_ms = 0.f;
+    const size_t copy_bytes = size_t(2) << 30;
+    {
+        void *a = b->alloc(copy_bytes), *c = b->alloc(copy_bytes);
+        copy_ms = median_ms([&] { b->copy(c, a, copy_bytes); }, 10);
+        b->release(a);
+        b->release(c);
+    }
+    const double copy_bw = 2.0 * double(copy_bytes) / (copy_ms * 1e-3);
+    float ms = 0.f;
+    try {
+        ms = median_ms(step, iters);
+    } catch (const Error &e) {
+        std::printf("FAIL: %s\n", e.what());
+        return 1;
+    }
+    const int64_t launches = layers * (all ? 4 : 1);
+    const double floor_ms = double(step_bytes) / copy_bw * 1e3;
+    std::printf("gemm_chain_bench: rows %lld, layers %lld, %s, tiled %d, folded %d: %lld GEMMs, %.2f GB of weights\n",
+                (long long)rows, (long long)layers, all ? "all four GEMMs" : only.c_str(), int(tiled), int(folded),
+                (long long)launches, double(step_bytes) / 1e9);
+    std::printf("copy bandwidth %.3f TB/s; chain %.3f ms = %.3f TB/s = %.3fx the floor (%.3f ms); %.2f us per GEMM "
+                "over the floor\n",
+                copy_bw / 1e12, ms, double(step_bytes) / (ms * 1e-3) / 1e12, ms / floor_ms, floor_ms,
+                (ms - floor_ms) * 1e3 / double(launches));
+    (void)weight_bytes;
+    for (auto &lw : w)
+        for (auto &m : lw) b->release(m.data);
+    for (void *p : {x, qkv, attn, gu, mlp}) b->release(p);
+    b->release(ss);
+    b.reset();
+    CHECK_CUDA(cudaStreamDestroy(stream));
+    return 0;
+}
