@@ -9,53 +9,32 @@
 // contiguous share through a private 6-chunk cp.async ring (gemv.cu's persistent kernel's shape), a few
 // mma per chunk, and it depends on the phase before it through a small x buffer (read after the wait,
 // written at the end). A decode layer of Qwen3-8B is four phases (q/k/v 50 MB, o_proj 33.5 MB, gate/up
-// 201 MB, down 100 MB); 36 layers stream 14.3 GB. Variants:
+// 201 MB, down 100 MB); 36 layers stream 14.0 GB. Variants (session 17 on an H200: README's "What a launch costs"):
 //   one phase        all 36 layers' bytes as one launch: the streaming ceiling for this pattern
 //   launches         144 launches, serialized
 //   launches + PDL   144 launches with programmatic dependent launch: each fills its ring before it waits
-//                    (the library's way)
+//                    (the library's way); also with three small dependent kernels after each q/k/v phase,
+//                    where rope + cache write, attention and the combine run
 //   persistent       one cooperative launch, the 144 phases separated by grid barriers; each warp's chunk
 //                    sequence runs through all phases, so the next phase's first chunks are in flight
 //                    before the barrier
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                         \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
+#include "probe_common.cuh"
 
-constexpr int kWarps = 8, S = 6;
+constexpr int S = 6;  // ring chunks per warp (gemv.cu's persistent kernel)
 
 struct Phase {
     int64_t base_chunk;       // the phase's first 2 KB chunk in the buffer
     int64_t chunks_per_warp;  // warp w reads chunks base + w * cpw .. + cpw - 1
 };
 
-__device__ __forceinline__ void cp16(unsigned dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void wait_ring() { asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2)); }
+__device__ __forceinline__ void wait_ring() { wait_group<S - 2>(); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // A warp's chunk sequence over phases [first, last): fill() walks it, the consumer reads it in order.
 struct Stream {
     const uint4 *buf;
@@ -159,27 +138,6 @@ __global__ void small_kernel(float *y, int64_t n) {
     pdl_wait();
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
         y[i] = y[i] * 0.5f + 1.f;
-}
-
-template <class F>
-float median_ms(F f, int passes = 15) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 2; ++i) f();
-    CHECK(cudaDeviceSynchronize());
-    std::vector<float> t;
-    for (int i = 0; i < passes; ++i) {
-        CHECK(cudaEventRecord(a));
-        f();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
 }
 
 int main(int argc, char **argv) {

@@ -12,30 +12,15 @@
 //                 read one contiguous front, as a memcpy does
 //   bulk-contig   the ring filled by one cp.async.bulk per chunk (lane 0), chunk bytes CH
 //   ldg           plain 16-byte loads into registers, 8 in flight per thread, grid-stride (a read-only copy)
-#include <cuda_runtime.h>
-
-#include <algorithm>
+//   gemm-like     the ring with gemv.cu's consumer added step by step (mma per chunk; x loaded two chunks ahead;
+//                 a block reduce per tile), then one launch per weight-sized read (12-400 MB), two of them timed
+//                 per warp (start, first chunk landed, end) with %globaltimer
+// Session 17 on an H200: README's "What a launch costs".
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                         \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
-
-constexpr int kWarps = 8;
-
-__device__ __forceinline__ void cp16(unsigned dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#include "probe_common.cuh"
 
 // Chunk index (in 2 KB chunks) of warp gw's j-th chunk. contig: runs of run_chunks per warp, then the next
 // tile's run lies gw_total runs further (as a persistent block's next column block).
@@ -84,13 +69,6 @@ ring_kernel(const uint4 *buf, int64_t chunks_per_warp, int64_t run_chunks, bool 
 }
 
 
-__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint4 ld_act(const void *p) {
     uint4 v;
     asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -280,28 +258,6 @@ __global__ void ldg_kernel(const uint4 *buf, int64_t n16, uint32_t *sink) {
         acc ^= v.x + v.y + v.z + v.w;
     }
     if (acc == 0x12345678u) sink[0] = acc;
-}
-
-template <class F>
-float median_ms(F f, int passes = 20) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) f();
-    CHECK(cudaGetLastError());
-    std::vector<float> t;
-    for (int i = 0; i < passes; ++i) {
-        CHECK(cudaEventRecord(a));
-        f();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
 }
 
 int main() {
