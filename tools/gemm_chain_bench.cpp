@@ -7,12 +7,18 @@
 // of the step add.
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
-//   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down]
-// --only repeats one GEMM of each layer (36 back to back): its cost alone. The library's switches apply
-// (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting).
+//   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
+//   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
+// --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
+// phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
+// capacity N + 64, the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
+// step. The library's switches apply (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process
+// per setting).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,7 +59,8 @@ struct Matrix {
 }  // namespace
 
 int main(int argc, char **argv) {
-    int64_t rows = 1, layers = 36, iters = 30;
+    int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
+    bool host = false;
     std::string only;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -68,13 +75,16 @@ int main(int argc, char **argv) {
         else if (a == "--layers") layers = std::atoll(next());
         else if (a == "--iters") iters = std::atoll(next());
         else if (a == "--only") only = next();
+        else if (a == "--ctx") ctx = std::atoll(next());
+        else if (a == "--host") host = true;
         else {
-            std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down]\n");
+            std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
+                                 "[--ctx N]\n");
             return 2;
         }
     }
-    if (rows < 1 || rows > 16 || layers < 1 || iters < 1) {
-        std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1\n");
+    if (rows < 1 || rows > 16 || layers < 1 || iters < 1 || ctx < 0 || ctx > (1 << 20)) {
+        std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1, ctx 0..2^20\n");
         return 2;
     }
     if (!only.empty() && only != "qkv" && only != "o_proj" && only != "gate_up" && only != "down") {
@@ -84,11 +94,12 @@ int main(int argc, char **argv) {
     cudaStream_t stream = nullptr;
     std::shared_ptr<Backend> b;
     int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    if (host) {
+        b = make_host_backend();  // a check of the tool itself: the same ops on the CPU, timed by the clock
+    } else if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
         std::printf("SKIP: no CUDA device\n");
         return 77;
-    }
-    try {
+    } else try {
         CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         b = make_cuda_backend(0, uint64_t(reinterpret_cast<uintptr_t>(stream)), false);
     } catch (const Error &e) {
@@ -136,11 +147,23 @@ int main(int argc, char **argv) {
     }
     // Activations: x (the residual stream), the q/k/v rows, attention's output, gate/up scratch, the MLP
     // rows, and the rows' sums of squares between GEMMs (ones to start: the first q/k/v reads them).
+    // (act dtype: bf16 on cuda, fp32 on the host)
+    const size_t act_bytes = dtype_size(b->act_dtype());
     auto act = [&](int64_t cols) {
-        void *p = b->alloc(size_t(16 * cols) * 2);
-        std::vector<uint16_t> v(size_t(16 * cols));
+        const size_t n = size_t(16 * cols);
+        void *p = b->alloc(n * act_bytes);
+        std::vector<uint16_t> v(n);
         fill_random(v, uint64_t(cols));
-        b->upload(p, v.data(), v.size() * 2);
+        if (act_bytes == 2) {
+            b->upload(p, v.data(), n * 2);
+        } else {
+            std::vector<float> f(n);
+            for (size_t i = 0; i < n; ++i) {
+                const uint32_t bits = uint32_t(v[i]) << 16;
+                std::memcpy(&f[i], &bits, 4);
+            }
+            b->upload(p, f.data(), n * 4);
+        }
         return p;
     };
     void *x = act(H), *qkv = act(QKV), *attn = act(Q), *gu = act(2 * I), *mlp = act(I);
@@ -150,6 +173,53 @@ int main(int argc, char **argv) {
         std::vector<float> ones(size_t(16 * parts), 1.f);
         b->upload(ss, ones.data(), ones.size() * sizeof(float));
     }
+    // --ctx: each layer's K/V cache of capacity ctx + 64 (an identity block table: slot s is position s), the
+    // step's positions ctx .. ctx + rows - 1 and its key count, q/k norm weights and the RoPE table.
+    const int64_t hd = 128, nh = Q / hd, nkv = KV / hd, capacity = (ctx + 64 + 15) / 16 * 16;
+    std::vector<void *> k_cache, v_cache;
+    int32_t *table = nullptr, *key_pos = nullptr, *step_args = nullptr;
+    void *qk_norm = nullptr;
+    float *inv_freq = nullptr;
+    PagedKeys keys;
+    if (ctx > 0) {
+        for (int64_t l = 0; l < layers; ++l) {
+            k_cache.push_back(act(capacity * KV / 16));
+            v_cache.push_back(act(capacity * KV / 16));
+        }
+        std::vector<int32_t> ids(static_cast<size_t>(capacity)), args(static_cast<size_t>(2 * rows + 1));
+        for (int64_t i = 0; i < capacity; ++i) ids[size_t(i)] = int32_t(i);
+        for (int64_t j = 0; j < rows; ++j) args[size_t(j)] = args[size_t(rows + j)] = int32_t(ctx + j);
+        args[size_t(2 * rows)] = int32_t(ctx + rows);
+        table = static_cast<int32_t *>(b->alloc(size_t(capacity / 16) * 4));
+        key_pos = static_cast<int32_t *>(b->alloc(size_t(capacity) * 4));
+        step_args = static_cast<int32_t *>(b->alloc(args.size() * 4));
+        b->upload(table, ids.data(), size_t(capacity / 16) * 4);
+        b->upload(key_pos, ids.data(), size_t(capacity) * 4);
+        b->upload(step_args, args.data(), args.size() * 4);
+        std::vector<uint16_t> ones(size_t(hd), 0x3f80);  // bf16 1.0
+        qk_norm = b->alloc(size_t(hd) * 2);
+        b->upload(qk_norm, ones.data(), ones.size() * 2);
+        std::vector<float> freq(size_t(hd / 2));
+        for (int64_t i = 0; i < hd / 2; ++i) freq[size_t(i)] = std::pow(1e6f, -2.f * float(i) / float(hd));
+        inv_freq = static_cast<float *>(b->alloc(freq.size() * sizeof(float)));
+        b->upload(inv_freq, freq.data(), freq.size() * sizeof(float));
+        keys.block_table = table;
+        keys.slot_positions = key_pos;
+        keys.ring_slots = capacity;
+        keys.first_key = 0;
+        keys.num_keys = ctx + rows;
+        keys.num_keys_device = step_args + 2 * rows;
+        keys.uniform_rows = 16;  // the target's max_verify_rows at block 16
+    }
+    const WeightView norm_w{qk_norm, DFLASH_DTYPE_BF16, 1, hd, false};
+    auto attention_phase = [&](int64_t l) {
+        b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
+                               step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
+        keys.k_cache = k_cache[size_t(l)];
+        keys.v_cache = v_cache[size_t(l)];
+        b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
+                     attn);
+    };
     const GemmFuse norm{folded ? eps : 0.f, false, folded ? ss : nullptr, nullptr};
     const GemmFuse residual{0.f, folded, nullptr, folded ? ss : nullptr};
     const bool all = only.empty();
@@ -158,6 +228,7 @@ int main(int argc, char **argv) {
         for (int64_t l = 0; l < layers; ++l) {
             const auto &lw = w[size_t(l)];
             if (all || only == "qkv") b->gemm(x, rows, H, lw[0].view, qkv, QKV, GemmRows::Uniform, norm);
+            if (ctx > 0) attention_phase(l);
             if (all || only == "o_proj") b->gemm(attn, rows, Q, lw[1].view, x, H, GemmRows::Uniform, residual);
             if (all || only == "gate_up")
                 b->gemm_swiglu(x, rows, H, lw[2].view, I, gu, mlp, GemmRows::Uniform, norm);
@@ -167,27 +238,35 @@ int main(int argc, char **argv) {
     for (int m = 0; m < 4; ++m)
         if (all || only == shapes[m].name) step_bytes += size_t(layers * shapes[m].n * shapes[m].k) * 2;
 
-    cudaEvent_t e0, e1;
-    CHECK_CUDA(cudaEventCreate(&e0));
-    CHECK_CUDA(cudaEventCreate(&e1));
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    if (!host) {
+        CHECK_CUDA(cudaEventCreate(&e0));
+        CHECK_CUDA(cudaEventCreate(&e1));
+    }
     auto median_ms = [&](const std::function<void()> &f, int64_t n) {
-        for (int i = 0; i < 3; ++i) f();
+        for (int i = 0; i < (host ? 1 : 3); ++i) f();
         b->synchronize();
         std::vector<float> t;
         for (int64_t i = 0; i < n; ++i) {
-            CHECK_CUDA(cudaEventRecord(e0, stream));
-            f();
-            CHECK_CUDA(cudaEventRecord(e1, stream));
-            CHECK_CUDA(cudaEventSynchronize(e1));
             float ms = 0.f;
-            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            if (host) {
+                const auto t0 = std::chrono::steady_clock::now();
+                f();
+                ms = std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            } else {
+                CHECK_CUDA(cudaEventRecord(e0, stream));
+                f();
+                CHECK_CUDA(cudaEventRecord(e1, stream));
+                CHECK_CUDA(cudaEventSynchronize(e1));
+                CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            }
             t.push_back(ms);
         }
         std::sort(t.begin(), t.end());
         return t[t.size() / 2];
     };
     float copy_ms = 0.f;
-    const size_t copy_bytes = size_t(2) << 30;
+    const size_t copy_bytes = host ? size_t(64) << 20 : size_t(2) << 30;
     {
         void *a = b->alloc(copy_bytes), *c = b->alloc(copy_bytes);
         copy_ms = median_ms([&] { b->copy(c, a, copy_bytes); }, 10);
@@ -204,8 +283,9 @@ int main(int argc, char **argv) {
     }
     const int64_t launches = layers * (all ? 4 : 1);
     const double floor_ms = double(step_bytes) / copy_bw * 1e3;
-    std::printf("gemm_chain_bench: rows %lld, layers %lld, %s, tiled %d, folded %d: %lld GEMMs, %.2f GB of weights\n",
-                (long long)rows, (long long)layers, all ? "all four GEMMs" : only.c_str(), int(tiled), int(folded),
+    std::printf("gemm_chain_bench: rows %lld, layers %lld, %s%s, tiled %d, folded %d: %lld GEMMs, %.2f GB of weights\n",
+                (long long)rows, (long long)layers, all ? "all four GEMMs" : only.c_str(),
+                ctx > 0 ? cat(", attention over ", ctx + rows, " keys").c_str() : "", int(tiled), int(folded),
                 (long long)launches, double(step_bytes) / 1e9);
     std::printf("copy bandwidth %.3f TB/s; chain %.3f ms = %.3f TB/s = %.3fx the floor (%.3f ms); %.2f us per GEMM "
                 "over the floor\n",
@@ -215,8 +295,12 @@ int main(int argc, char **argv) {
     for (auto &lw : w)
         for (auto &m : lw) b->release(m.data);
     for (void *p : {x, qkv, attn, gu, mlp}) b->release(p);
+    for (size_t l = 0; l < k_cache.size(); ++l) b->release(k_cache[l]), b->release(v_cache[l]);
+    for (void *p : {static_cast<void *>(table), static_cast<void *>(key_pos), static_cast<void *>(step_args), qk_norm,
+                    static_cast<void *>(inv_freq)})
+        b->release(p);
     b->release(ss);
     b.reset();
-    CHECK_CUDA(cudaStreamDestroy(stream));
+    if (stream) CHECK_CUDA(cudaStreamDestroy(stream));
     return 0;
 }
