@@ -125,6 +125,8 @@ class Sequence(NativeSequence):
         lib.check(lib.lib.dflash_drafter_seq_after_verify(self._live(), num_accepted))
 
     def info(self) -> dict:
+        """dflash_seq_info as a dict: budget_tokens, next_position, context_rows, cached_rows, pending_rows,
+        blocks_held, proposals, accepted_drafts, graph_replays (proposes whose block replayed a CUDA graph)."""
         lib = self._drafter._lib
         out = new_struct(lib.ffi, "dflash_seq_info")
         lib.check(lib.lib.dflash_drafter_seq_info(self._live(), out))

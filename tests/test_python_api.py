@@ -458,6 +458,7 @@ def test_lifecycle_and_argument_checks(library, make_pair):
         assert e.value.status_name.startswith("DFLASH_STATUS_") and e.value.message
         info = seq.info()
         assert (info["next_position"], info["proposals"], info["accepted_drafts"]) == (8, 1, 2)
+        assert info["graph_replays"] == 0  # the host backend records no graphs
         seq.reset()
         assert seq.info()["context_rows"] == 0
         seq.close()

@@ -758,6 +758,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     if (fuse.norm_eps > 0.f && !fuse.ss_in)
         fail(DFLASH_STATUS_INTERNAL, "gemm: a folded norm needs its rows' sums of squares (GemmFuse::ss_in)");
     if (fuse.ss_out && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store writes ss_out");
+    if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
     auto go = [&](auto ks, auto fuse_mode) {
         constexpr int KS = decltype(ks)::value;
         constexpr int FUSE = decltype(fuse_mode)::value;
@@ -787,7 +788,6 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         }
     };
     using std::integral_constant;
-    if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
     auto go_norm = [&](auto ks) {
         if (fuse.norm_eps > 0.f)
             go(ks, integral_constant<int, kNorm>{});
