@@ -118,7 +118,6 @@ int main(int argc, char **argv) {
     };
     const Shape shapes[4] = {{"qkv", QKV, H}, {"o_proj", H, Q}, {"gate_up", 2 * I, H}, {"down", H, I}};
     std::vector<std::vector<Matrix>> w(size_t(layers), std::vector<Matrix>(4));
-    size_t weight_bytes = 0;
     try {
         for (int m = 0; m < 4; ++m) {
             const Shape &sh = shapes[m];
@@ -136,7 +135,6 @@ int main(int argc, char **argv) {
                 else
                     b->copy(mx.data, src, bytes);
                 mx.view = WeightView{mx.data, DFLASH_DTYPE_BF16, sh.n, sh.k, tiled};
-                weight_bytes += size_t(sh.n * sh.k) * 2;
             }
             b->synchronize();
             b->release(src);
@@ -291,7 +289,6 @@ int main(int argc, char **argv) {
                 "over the floor\n",
                 copy_bw / 1e12, ms, double(step_bytes) / (ms * 1e-3) / 1e12, ms / floor_ms, floor_ms,
                 (ms - floor_ms) * 1e3 / double(launches));
-    (void)weight_bytes;
     for (auto &lw : w)
         for (auto &m : lw) b->release(m.data);
     for (void *p : {x, qkv, attn, gu, mlp}) b->release(p);

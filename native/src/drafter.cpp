@@ -451,11 +451,11 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     const bool graphed = !sample && p_.ctx_window == 0;
     const size_t num_keys_at = size_t(4 * gamma_ + 2 * chunk_rows_);
     // Step arguments in one upload, before any kernel (an upload between kernels would stall the
-    // programmatic overlap of the two): tokens, query positions and noise slots of the block,
-    // then the pending context rows' positions and slots (and, graphed, the key count past the
-    // drafts); the slot positions of both (one contiguous ring range) in a second.
-    std::vector<int32_t> args(graphed ? num_keys_at + 1 : size_t(3 * gamma_ + (pending ? chunk_rows_ + pending : 0)),
-                              0);
+    // programmatic overlap of the two), step_i32_'s layout whole: tokens, query positions and noise slots
+    // of the block, the pending context rows' positions and slots, the drafts' place (written by the
+    // kernels), the key count (read by the graphed kernels); the slot positions of both (one contiguous
+    // ring range) in a second.
+    std::vector<int32_t> args(num_keys_at + 1, 0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
     if (pending) pending_args(seq, args.data() + 3 * gamma_);
     for (int32_t j = 0; j < width; ++j) {
@@ -472,10 +472,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     keys.first_key = p_.ctx_window > 0 ? std::max<int64_t>(0, cached_after - p_.ctx_window) : 0;
     keys.num_keys = cached_after - keys.first_key + width;
     int32_t *dev = step_i32_.as<int32_t>();
-    if (graphed) {
-        args[num_keys_at] = int32_t(keys.num_keys);
-        keys.num_keys_device = dev + num_keys_at;
-    }
+    args[num_keys_at] = int32_t(keys.num_keys);
+    if (graphed) keys.num_keys_device = dev + num_keys_at;
     upload_slot_positions(seq, seq.cached, pending + width);
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
     project_pending(seq, true);
