@@ -321,28 +321,38 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
             cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
         }
     };
-    // FRESH, after pdl_wait: the fresh keys of chunk c into stage st, normed and rotated (K) or copied (V) from
-    // the rows, a warp per key; the blocks of query tile 0 also write them to the rows' cache slots.
+    // FRESH, after pdl_wait: the fresh keys of chunk c into stage st, normed and rotated (K, a quad of lanes per
+    // key: norm_rope_quad) or copied (V) from the rows; the blocks of query tile 0 also write them to the rows'
+    // cache slots. Block-uniform (the quads' shuffles).
     auto fill_fresh = [&](int st, int c) {
         if constexpr (FRESH) {
             if (c >= n_chunks) return;
             const int64_t first = first0 + c * stride, last = first + n_keys_of(c);
             const int64_t r0 = max(first, fresh0) - fresh0, r1 = last - fresh0;  // the rows whose keys are here
+            if (r1 <= r0) return;
             bf16 *ks = k_stage(st), *vs = v_stage(st);
             const bool write = blockIdx.z == 0;
-            for (int64_t r = r0 + warp; r < r1; r += kTcWarps) {
-                const int j = int(fresh0 + r - first);
-                const bf16 *k_row = fresh.kv + r * ldq + int64_t(kv_head) * HD;
-                const bf16 *v_row = fresh.kv + r * ldq + int64_t(n_kv_heads + kv_head) * HD;
-                const int64_t cache_at = int64_t(fresh.slots[r]) * kv_width + int64_t(kv_head) * HD;
-                norm_rope_head(k_row, ks + j * kStride, HD, fresh.k_norm, fresh.eps, float(q_positions[r]),
-                               fresh.inv_freq, fresh.attention_factor, write ? fresh.k_cache + cache_at : nullptr,
-                               lane);
-                for (int piece = lane; piece < kVecsPerRow; piece += 32) {
-                    const uint4 val = load_act16(v_row + piece * 8);
-                    *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) = val;
-                    if (write) *reinterpret_cast<uint4 *>(fresh.v_cache + cache_at + piece * 8) = val;
-                }
+            const int quad = threadIdx.x >> 2, q4 = threadIdx.x & 3;
+            for (int64_t base = r0; base < r1; base += kTcWarps * 8) {
+                const int64_t r = base + quad;
+                const bool ok = r < r1;
+                QuadHead<HD> head{};
+                if (ok) load_quad_head<HD>(fresh.kv + r * ldq + int64_t(kv_head) * HD, q4, head);
+                const int j = int(fresh0 + (ok ? r : r0) - first);
+                norm_rope_quad<HD>(head, ks + j * kStride, fresh.k_norm, fresh.eps, float(q_positions[ok ? r : r0]),
+                                   fresh.inv_freq, fresh.attention_factor,
+                                   ok && write ? fresh.k_cache + int64_t(fresh.slots[r]) * kv_width + int64_t(kv_head) * HD
+                                               : nullptr,
+                                   q4, ok);
+            }
+            for (int64_t i = threadIdx.x; i < (r1 - r0) * kVecsPerRow; i += kTcWarps * 32) {
+                const int64_t r = r0 + i / kVecsPerRow;
+                const int piece = int(i % kVecsPerRow), j = int(fresh0 + r - first);
+                const uint4 val = load_act16(fresh.kv + r * ldq + int64_t(n_kv_heads + kv_head) * HD + piece * 8);
+                *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) = val;
+                if (write)
+                    *reinterpret_cast<uint4 *>(fresh.v_cache + int64_t(fresh.slots[r]) * kv_width +
+                                               int64_t(kv_head) * HD + piece * 8) = val;
             }
         }
     };
@@ -359,18 +369,32 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     }
     if constexpr (FRESH) {
         pdl_wait();  // the rows are written
-        // This block's q vectors, normed and rotated, into stage S - 1's K rows (a warp its 16; vector v at row
-        // v - the tile's first), then into the fragments. The loop's first barrier orders these reads before
-        // chunk S - 1 is staged there.
+        // This block's q vectors, normed and rotated, into stage S - 1's K rows (vector v at row v - the tile's
+        // first; a quad of lanes per vector, the loads of both passes issued first), then into the fragments. The
+        // loop's first barrier orders these reads before chunk S - 1 is staged there.
         bf16 *qs = k_stage(S - 1);
-        for (int i = 0; i < 16; ++i) {
-            const int v = vec0 + i;
-            if (v >= n_vec) break;
-            const bf16 *head = q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD;
-            norm_rope_head(head, qs + (v - blockIdx.z * kTcVectors) * kStride, HD, fresh.q_norm, fresh.eps,
-                           float(q_positions[v / group]), fresh.inv_freq, fresh.attention_factor, nullptr, lane);
+        {
+            constexpr int kPasses = kTcVectors / (kTcWarps * 8);  // 2: 32 quads per block
+            const int quad = threadIdx.x >> 2, q4 = threadIdx.x & 3;
+            QuadHead<HD> heads[kPasses];
+#pragma unroll
+            for (int t = 0; t < kPasses; ++t) {
+                const int v = blockIdx.z * kTcVectors + quad + 32 * t;
+                heads[t] = QuadHead<HD>{};
+                if (v < n_vec)
+                    load_quad_head<HD>(q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD, q4,
+                                       heads[t]);
+            }
+#pragma unroll
+            for (int t = 0; t < kPasses; ++t) {
+                const int v = blockIdx.z * kTcVectors + quad + 32 * t;
+                const bool ok = v < n_vec;
+                norm_rope_quad<HD>(heads[t], qs + (quad + 32 * t) * kStride, fresh.q_norm, fresh.eps,
+                                   float(q_positions[ok ? v / group : 0]), fresh.inv_freq, fresh.attention_factor,
+                                   nullptr, q4, ok);
+            }
         }
-        __syncwarp();
+        __syncthreads();
         load_q(qs, kStride, true);
 #pragma unroll
         for (int c = 0; c < S - 1; ++c) fill_fresh(c, c);
