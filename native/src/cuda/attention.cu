@@ -186,8 +186,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // bf16 each) and their key positions, then the slots of the chunk being staged.
 template <int HD>
 __host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKeys * (HD + kTcPad) * sizeof(bf16) + kTcKeys * sizeof(int32_t); }
-template <int HD, int S>
-__host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
+// FRESH (below): each row's rotation (cos, sin times attention_factor, per pair) and the q and k norm weights.
+constexpr int kFreshRows = 16;  // rows per attention_qkv call (attention_qkv_fused)
+template <int HD>
+__host__ __device__ constexpr size_t fresh_bytes() { return size_t(kFreshRows) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(bf16); }
+template <int HD, int S, bool FRESH = false>
+__host__ __device__ constexpr size_t tc_smem_bytes() {
+    return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + (FRESH ? fresh_bytes<HD>() : 0);
+}
 
 // S stages (2 or 3): chunk i + S - 1 is staged (cp.async) while chunk i is computed, so a split that reads
 // several chunks (long contexts) keeps S - 1 of them in flight. Its keys' slots and positions are loaded into
@@ -221,6 +227,8 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
     auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
     int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());  // the chunk being staged
+    float2 *rot_s = reinterpret_cast<float2 *>(slot_s + kTcKeys);  // FRESH: [kFreshRows][HD / 2]
+    bf16 *qn_s = reinterpret_cast<bf16 *>(rot_s + kFreshRows * (HD / 2)), *kn_s = qn_s + HD;  // FRESH: [HD] each
 
     const int group = n_heads / n_kv_heads;
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -282,8 +290,22 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     // Threads j < kTcKeys: key j's block-table entry and position for chunk c, in registers (pend_*), then its
     // slot into slot_s and its position into stage st (stage_keys).
     // FRESH: keys [fresh0, key_end) are the rows' own (row r: key fresh0 + r), staged by fill_fresh, never
-    // read from the cache.
+    // read from the cache. Before the wait (positions, inv_freq and the norm weights are the step's constants):
+    // the rows' rotations, sincosf as norm_rope_head computes them, once per block instead of once per head, and
+    // the norm weights (ones where there is no norm: not read then), so the per-element reads hit shared memory.
     const int64_t fresh0 = FRESH ? key_end - nq : key_end;
+    if constexpr (FRESH) {
+        for (int i = threadIdx.x; i < nq * (HD / 2); i += kTcWarps * 32) {
+            const int r = i / (HD / 2), j = i % (HD / 2);
+            float sn, cs;
+            sincosf(float(q_positions[r]) * fresh.inv_freq[j], &sn, &cs);
+            rot_s[i] = make_float2(cs * fresh.attention_factor, sn * fresh.attention_factor);
+        }
+        for (int j = threadIdx.x; j < HD; j += kTcWarps * 32) {
+            qn_s[j] = fresh.q_norm ? fresh.q_norm[j] : to_bf16(1.f);
+            kn_s[j] = fresh.k_norm ? fresh.k_norm[j] : to_bf16(1.f);
+        }
+    }
     int32_t pend_block = -1, pend_pos = 0;
     int64_t pend_ring = 0;
     bool pend_fresh = false;
@@ -339,20 +361,30 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
                 QuadHead<HD> head{};
                 if (ok) load_quad_head<HD>(fresh.kv + r * ldq + int64_t(kv_head) * HD, q4, head);
                 const int j = int(fresh0 + (ok ? r : r0) - first);
-                norm_rope_quad<HD>(head, ks + j * kStride, fresh.k_norm, fresh.eps, float(q_positions[ok ? r : r0]),
-                                   fresh.inv_freq, fresh.attention_factor,
+                norm_rope_quad<HD>(head, ks + j * kStride, fresh.k_norm ? kn_s : nullptr, fresh.eps,
+                                   rot_s + (ok ? r : r0) * (HD / 2),
                                    ok && write ? fresh.k_cache + int64_t(fresh.slots[r]) * kv_width + int64_t(kv_head) * HD
                                                : nullptr,
                                    q4, ok);
             }
-            for (int64_t i = threadIdx.x; i < (r1 - r0) * kVecsPerRow; i += kTcWarps * 32) {
-                const int64_t r = r0 + i / kVecsPerRow;
+            // V: kFreshRows keys' pieces over the block's threads, every load issued before the first store
+            constexpr int kPer = kFreshRows * kVecsPerRow / (kTcWarps * 32);
+            static_assert(kPer * kTcWarps * 32 == kFreshRows * kVecsPerRow, "whole passes");
+            uint4 val[kPer];
+#pragma unroll
+            for (int t = 0; t < kPer; ++t) {
+                const int64_t i = threadIdx.x + t * kTcWarps * 32, r = r0 + i / kVecsPerRow;
+                if (r < r1) val[t] = load_act16(fresh.kv + r * ldq + int64_t(n_kv_heads + kv_head) * HD + (i % kVecsPerRow) * 8);
+            }
+#pragma unroll
+            for (int t = 0; t < kPer; ++t) {
+                const int64_t i = threadIdx.x + t * kTcWarps * 32, r = r0 + i / kVecsPerRow;
+                if (r >= r1) continue;
                 const int piece = int(i % kVecsPerRow), j = int(fresh0 + r - first);
-                const uint4 val = load_act16(fresh.kv + r * ldq + int64_t(n_kv_heads + kv_head) * HD + piece * 8);
-                *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) = val;
+                *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) = val[t];
                 if (write)
                     *reinterpret_cast<uint4 *>(fresh.v_cache + int64_t(fresh.slots[r]) * kv_width +
-                                               int64_t(kv_head) * HD + piece * 8) = val;
+                                               int64_t(kv_head) * HD + piece * 8) = val[t];
             }
         }
     };
@@ -389,9 +421,8 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
             for (int t = 0; t < kPasses; ++t) {
                 const int v = blockIdx.z * kTcVectors + quad + 32 * t;
                 const bool ok = v < n_vec;
-                norm_rope_quad<HD>(heads[t], qs + (quad + 32 * t) * kStride, fresh.q_norm, fresh.eps,
-                                   float(q_positions[ok ? v / group : 0]), fresh.inv_freq, fresh.attention_factor,
-                                   nullptr, q4, ok);
+                norm_rope_quad<HD>(heads[t], qs + (quad + 32 * t) * kStride, fresh.q_norm ? qn_s : nullptr, fresh.eps,
+                                   rot_s + (ok ? v / group : 0) * (HD / 2), nullptr, q4, ok);
             }
         }
         __syncthreads();
@@ -633,14 +664,14 @@ bool allow_tc_smem(int64_t hd) {
         };
         if (!allow(attention_tc_kernel<128, 2, false>, tc_smem_bytes<128, 2>()) ||
             !allow(attention_tc_kernel<64, 2, false>, tc_smem_bytes<64, 2>()) ||
-            !allow(attention_tc_kernel<128, 2, true>, tc_smem_bytes<128, 2>()) ||
-            !allow(attention_tc_kernel<64, 2, true>, tc_smem_bytes<64, 2>()))
+            !allow(attention_tc_kernel<128, 2, true>, tc_smem_bytes<128, 2, true>()) ||
+            !allow(attention_tc_kernel<64, 2, true>, tc_smem_bytes<64, 2, true>()))
             fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", tc_smem_bytes<128, 2>(),
                  " bytes of shared memory per block needed, the device allows ", optin);
         const bool fit64 = allow(attention_tc_kernel<64, 3, false>, tc_smem_bytes<64, 3>()) &&
-                           allow(attention_tc_kernel<64, 3, true>, tc_smem_bytes<64, 3>());
+                           allow(attention_tc_kernel<64, 3, true>, tc_smem_bytes<64, 3, true>());
         const bool fit128 = allow(attention_tc_kernel<128, 3, false>, tc_smem_bytes<128, 3>()) &&
-                            allow(attention_tc_kernel<128, 3, true>, tc_smem_bytes<128, 3>());
+                            allow(attention_tc_kernel<128, 3, true>, tc_smem_bytes<128, 3, true>());
         return (fit64 ? 1 : 0) | (fit128 ? 2 : 0);
     }();
     return fits3 & (hd == 128 ? 2 : 1);
@@ -666,7 +697,7 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
 // (verify blocks and decode steps; a prefill chunk's many query tiles would each norm its fresh keys again).
 bool attention_qkv_fused(int64_t nq, int64_t head_dim, const PagedKeys &keys) {
     return use_tc(head_dim) && qkv_norm_rope_write_fused(head_dim) && keys.uniform_rows > 0 &&
-           nq <= keys.uniform_rows;
+           nq <= keys.uniform_rows && nq <= kFreshRows;
 }
 
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
@@ -709,8 +740,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         auto pick = [&](auto hd_tag) {
             constexpr int HD = decltype(hd_tag)::value;
             if (fresh)
-                deep ? go(attention_tc_kernel<HD, 3, true>, tc_smem_bytes<HD, 3>())
-                     : go(attention_tc_kernel<HD, 2, true>, tc_smem_bytes<HD, 2>());
+                deep ? go(attention_tc_kernel<HD, 3, true>, tc_smem_bytes<HD, 3, true>())
+                     : go(attention_tc_kernel<HD, 2, true>, tc_smem_bytes<HD, 2, true>());
             else
                 deep ? go(attention_tc_kernel<HD, 3, false>, tc_smem_bytes<HD, 3>())
                      : go(attention_tc_kernel<HD, 2, false>, tc_smem_bytes<HD, 2>());

@@ -74,10 +74,11 @@ __device__ __forceinline__ void load_quad_head(const bf16 *src, int q, QuadHead<
     for (int k = 0; k < HD / 32; ++k) h.piece[k] = load_act16(src + (q + 4 * k) * 8);
 }
 
+// rot: the head's row's rotation, per pair j: (cos, sin)(pos * inv_freq[j]) times attention_factor, as
+// norm_rope_head computes them.
 template <int HD>
-__device__ __forceinline__ void norm_rope_quad(const QuadHead<HD> &h, bf16 *dst, const bf16 *w, float eps, float pos,
-                                               const float *inv_freq, float attention_factor, bf16 *copy, int q,
-                                               bool store) {
+__device__ __forceinline__ void norm_rope_quad(const QuadHead<HD> &h, bf16 *dst, const bf16 *w, float eps,
+                                               const float2 *rot, bf16 *copy, int q, bool store) {
     static_assert(HD == 64 || HD == 128, "a quad holds 64 or 128 elements");
     constexpr int kPairs = HD / 64;  // pairs per virtual lane (norm_rope_head's i)
     constexpr int kHalf = HD / 2;
@@ -129,11 +130,8 @@ __device__ __forceinline__ void norm_rope_quad(const QuadHead<HD> &h, bf16 *dst,
             float r_lo[2], r_hi[2];
 #pragma unroll
             for (int d = 0; d < 2; ++d) {
-                const int j = 8 * q + e + d + 32 * i;
-                float sn, cs;
-                sincosf(pos * inv_freq[j], &sn, &cs);
-                cs *= attention_factor;
-                sn *= attention_factor;
+                const float2 cs_sn = rot[8 * q + e + d + 32 * i];
+                const float cs = cs_sn.x, sn = cs_sn.y;
                 r_lo[d] = a[i][e + d] * cs - b[i][e + d] * sn;
                 r_hi[d] = b[i][e + d] * cs + a[i][e + d] * sn;
             }
