@@ -10,8 +10,8 @@
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
-// phase as Target::forward runs it (Backend::attention_qkv: q/k norm + RoPE + cache write and attention over N + rows
-// keys in a sequence of capacity N + 64, then the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
+// phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
+// capacity N + 64, the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
 // step. The library's switches apply (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process
 // per setting).
 #include <cuda_runtime.h>
@@ -211,11 +211,12 @@ int main(int argc, char **argv) {
     }
     const WeightView norm_w{qk_norm, DFLASH_DTYPE_BF16, 1, hd, false};
     auto attention_phase = [&](int64_t l) {
+        b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
+                               step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
         keys.k_cache = k_cache[size_t(l)];
         keys.v_cache = v_cache[size_t(l)];
-        b->attention_qkv(qkv, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps, step_args, inv_freq, 1.f, step_args + rows,
-                         k_cache[size_t(l)], v_cache[size_t(l)], 1.f / std::sqrt(float(hd)), AttentionMask{true, 0},
-                         keys, true, attn);
+        b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
+                     attn);
     };
     const GemmFuse norm{folded ? eps : 0.f, false, folded ? ss : nullptr, nullptr};
     const GemmFuse residual{0.f, folded, nullptr, folded ? ss : nullptr};

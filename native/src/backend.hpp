@@ -244,23 +244,6 @@ public:
         head_norm_rope(kv, rows, kv_heads, head_dim, ldkv, k_norm, eps, positions, inv_freq, attention_factor);
         kv_write(kv, v, rows, ldkv, slots, kv_width, k_cache, v_cache);
     }
-    // One attention step of `rows` new tokens from their fused q/k/v rows as the q/k/v GEMM wrote them (qkv:
-    // [rows, ld] of q heads, then k heads, then v heads): qkv_norm_rope_write (their k/v to slots, in the caches
-    // keys reads), then attention of their q over keys, whose last `rows` keys (of keys.num_keys) are theirs.
-    // What the rows hold afterwards is unspecified. One pass where the backend fuses it, with the same bits.
-    // settled: every key before the rows' was written before this step's kernels (the target's), so a fused
-    // kernel may read them while the kernel before it still runs; false where this step wrote some of them too
-    // (the drafter's context rows).
-    virtual void attention_qkv(void *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads,
-                               int64_t head_dim, const WeightView *q_norm, const WeightView *k_norm, float eps,
-                               const int32_t *positions, const float *inv_freq, float attention_factor,
-                               const int32_t *slots, void *k_cache, void *v_cache, float scale, AttentionMask mask,
-                               const PagedKeys &keys, bool settled, void *out) {
-        void *kv = static_cast<char *>(qkv) + size_t(heads * head_dim) * dtype_size(act_dtype());
-        qkv_norm_rope_write(qkv, ld, kv, ld, rows, heads, kv_heads, head_dim, q_norm, k_norm, eps, positions,
-                            inv_freq, attention_factor, slots, k_cache, v_cache);
-        attention(qkv, ld, rows, positions, heads, kv_heads, head_dim, scale, mask, keys, out);
-    }
     // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
     virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;
     // out[m, inter] = swiglu(x . gate_up^T) with the fused [gate; up] weight ([2 * inter, k]):

@@ -499,20 +499,14 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                 backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
                 backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
             }
+            backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
+                                          &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
+                                          d_slots, k_cache_[l].get(), v_cache_[l].get());
             keys.k_cache = k_cache_[l].get();
             keys.v_cache = v_cache_[l].get();
-            const AttentionMask mask{layer.causal, layer.window};
-            const float scale = 1.f / std::sqrt(float(hd));
-            if (one_gemm) {  // the block's keys are the last; the context rows before them this step's too
-                backend_->attention_qkv(q_.get(), ldq, width, nh, nkv, hd, &layer.q_norm, &layer.k_norm, eps, d_q_pos,
-                                        inv_freq_.as<float>(), rope_.attention_factor, d_slots, k_cache_[l].get(),
-                                        v_cache_[l].get(), scale, mask, keys, false, attn_.get());
-            } else {
-                backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
-                                              &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(),
-                                              rope_.attention_factor, d_slots, k_cache_[l].get(), v_cache_[l].get());
-                backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, scale, mask, keys, attn_.get());
-            }
+            AttentionMask mask{layer.causal, layer.window};
+            backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
+                                keys, attn_.get());
             const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
             if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
                 float *ss = ss_.as<float>();

@@ -1577,109 +1577,6 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
           });
 }
 
-// Backend::attention_qkv: the q/k/v GEMM's rows of nq new tokens, whose keys are the last nq of num_keys (their
-// cache slots hold NaN before the call: the fused kernel must take them from the rows, never from the cache).
-// cuda (attention.cu's fused kernel where attention_qkv_fused) against the host's composition
-// (qkv_norm_rope_write, then attention), and against cuda's own composition bit for bit: the output and both
-// caches. Then the same rows one at a time, as decode steps, each writing its key before the next: every row's
-// output and the final caches equal the block's bit for bit (verify rows == decode rows; causal masks).
-struct QkvAttnShape {
-    int64_t nq, ratio, n_kv, head_dim, num_keys;
-    bool norm, wrap;
-    int64_t capacity = 0;  // > 0: the key count on the device (graphs)
-    bool settled = true;   // Backend::attention_qkv's settled (false: the drafter's)
-    MaskKind mask = MASK_CAUSAL;
-};
-
-void run_attention_qkv_case(Group &g, const QkvAttnShape &s) {
-    const AttnShape a{s.nq, s.ratio, s.n_kv, s.head_dim, s.num_keys, s.mask, s.wrap, s.capacity, 16};
-    g.run(cat("attention_qkv: ", attn_desc(a, " ring-wrap"), s.norm ? "" : ", no q/k norm"), [&](Case &c) {
-        PagedSetup p = make_paged(a, c.rng);
-        const int64_t bs = DFLASH_KV_BLOCK_SIZE, n_heads = s.ratio * s.n_kv, hd = s.head_dim;
-        const int64_t kv_width = s.n_kv * hd, q_width = n_heads * hd, ld = q_width + 2 * kv_width;
-        std::vector<int32_t> slots;
-        for (int64_t j = s.num_keys - s.nq; j < s.num_keys; ++j) {
-            const int64_t ring = (p.first_key + j) % p.ring_slots;
-            slots.push_back(int32_t(int64_t(p.block_table[size_t(ring / bs)]) * bs + ring % bs));
-            for (int64_t e = 0; e < kv_width; ++e)
-                p.k[size_t(slots.back() * kv_width + e)] = p.v[size_t(slots.back() * kv_width + e)] = NAN;
-        }
-        const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.nq * ld), 1.5f);
-        std::vector<float> wq(static_cast<size_t>(hd)), wk(static_cast<size_t>(hd));
-        for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
-        for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
-        const std::vector<float> inv_freq = rope_inv_freq(hd, 1e6f);
-        const float scale = 1.f / std::sqrt(float(hd));
-        const size_t cache_bytes = p.k.size();  // elements; times act_size below
-        struct Result {
-            std::vector<float> out;
-            std::vector<uint8_t> out_raw, k_raw, v_raw;
-        };
-        // rows [row0, row0 + rows) over the first count keys, on backend be (composed: Backend's default)
-        auto run = [&](Backend &be, bool composed, const std::vector<std::pair<int64_t, int64_t>> &calls) {
-            const PagedBuffers bufs(be, p);
-            Weight w_q = upload_weight(be, wq, 1, hd), w_k = upload_weight(be, wk, 1, hd);
-            DeviceBuffer f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
-            DeviceBuffer x = upload_act(be, qkv);
-            DeviceBuffer out = poisoned(be, size_t(s.nq * q_width) * act_size(be));
-            for (const auto &[row0, rows] : calls) {
-                const int64_t count = s.num_keys - s.nq + row0 + rows;
-                const std::vector<int32_t> counts = {int32_t(count)};
-                DeviceBuffer count_dev = upload_vec(be, counts);
-                const PagedKeys keys = bufs.keys(p, count, s.capacity ? count_dev.as<int32_t>() : nullptr, 16);
-                void *q_rows = static_cast<char *>(x.get()) + size_t(row0 * ld) * act_size(be);
-                void *o_rows = static_cast<char *>(out.get()) + size_t(row0 * q_width) * act_size(be);
-                const WeightView *nq_w = s.norm ? &w_q.view : nullptr, *nk_w = s.norm ? &w_k.view : nullptr;
-                const int32_t *pos = bufs.qpos.as<int32_t>() + row0, *slot = sl.as<int32_t>() + row0;
-                void *kc = bufs.k.get(), *vc = bufs.v.get();
-                if (composed)
-                    be.Backend::attention_qkv(q_rows, ld, rows, n_heads, s.n_kv, hd, nq_w, nk_w, 1e-6f, pos,
-                                              f.as<float>(), 1.f, slot, kc, vc, scale, p.mask, keys, s.settled,
-                                              o_rows);
-                else
-                    be.attention_qkv(q_rows, ld, rows, n_heads, s.n_kv, hd, nq_w, nk_w, 1e-6f, pos, f.as<float>(),
-                                     1.f, slot, kc, vc, scale, p.mask, keys, s.settled, o_rows);
-                sync(be);
-            }
-            Result r;
-            r.out_raw = download_bytes(be, out.get(), size_t(s.nq * q_width) * act_size(be));
-            r.out = decode(be.act_dtype(), r.out_raw);
-            r.k_raw = download_bytes(be, bufs.k.get(), cache_bytes * act_size(be));
-            r.v_raw = download_bytes(be, bufs.v.get(), cache_bytes * act_size(be));
-            return r;
-        };
-        const std::vector<std::pair<int64_t, int64_t>> block = {{0, s.nq}};
-        std::vector<std::pair<int64_t, int64_t>> steps;
-        for (int64_t i = 0; i < s.nq; ++i) steps.push_back({i, 1});
-        const Result host = run(*H, true, block), fused = run(*C, false, block), composed = run(*C, true, block);
-        c.close("out", fused.out, host.out, kTolBf16);
-        c.check(fused.out_raw == composed.out_raw, "out: fused and composed cuda calls differ");
-        c.check(fused.k_raw == composed.k_raw, "k_cache: fused and composed cuda calls differ");
-        c.check(fused.v_raw == composed.v_raw, "v_cache: fused and composed cuda calls differ");
-        if (!p.mask.causal) return;  // (a row sees the block's later keys: nothing to decode step by step)
-        const Result decoded = run(*C, false, steps);
-        c.check(decoded.out_raw == fused.out_raw, "out: rows decoded one at a time differ from the block's");
-        c.check(decoded.k_raw == fused.k_raw && decoded.v_raw == fused.v_raw,
-                "caches: rows decoded one at a time differ from the block's");
-    });
-}
-
-void test_attention_qkv() {
-    Group g("attention_qkv");
-    if (!g.enabled()) return;
-    // (Qwen3-8B's heads at decode and verify widths, short and long contexts with the count on the device; head
-    // dim 64 with 2 query tiles; a wrapped ring; the fresh keys across a chunk boundary; no norm (Llama).)
-    run_attention_qkv_case(g, {16, 4, 8, 128, 1040, true, false, 32768});
-    run_attention_qkv_case(g, {1, 4, 8, 128, 1025, true, false, 2048});
-    if (g_opt.level == SMOKE) return;
-    run_attention_qkv_case(g, {16, 4, 8, 128, 16, true, false});
-    run_attention_qkv_case(g, {16, 8, 2, 64, 3000, true, false, 8192});
-    run_attention_qkv_case(g, {7, 4, 2, 128, 70, false, true});
-    run_attention_qkv_case(g, {5, 2, 2, 64, 130, true, false, 4096});  // fresh keys 125..129: chunks 1 and 2
-    run_attention_qkv_case(g, {16, 4, 8, 128, 9000, true, false, 32768});  // 3 stages
-    run_attention_qkv_case(g, {16, 4, 8, 128, 1040, true, true, 8192, false, MASK_NONE});  // the drafter's
-}
-
 void test_attention() {
     Group g("attention");
     if (!g.enabled()) return;
@@ -2291,7 +2188,6 @@ int main(int argc, char **argv) {
     test_kv_write();
     test_qkv_norm_rope_write();
     test_attention();
-    test_attention_qkv();
     test_add();
     test_swiglu();
     test_copy_rows();

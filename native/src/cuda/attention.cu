@@ -10,10 +10,8 @@
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 
 #include "ops.cuh"
-#include "rope.cuh"
 
 namespace dflash {
 namespace cuda {
@@ -186,39 +184,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // bf16 each) and their key positions, then the slots of the chunk being staged.
 template <int HD>
 __host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKeys * (HD + kTcPad) * sizeof(bf16) + kTcKeys * sizeof(int32_t); }
-// FRESH (below): each row's rotation (cos, sin times attention_factor, per pair) and the q and k norm weights.
-constexpr int kFreshRows = 16;  // rows per attention_qkv call (attention_qkv_fused)
-template <int HD>
-__host__ __device__ constexpr size_t fresh_bytes() { return size_t(kFreshRows) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(bf16); }
-template <int HD, int S, bool FRESH = false>
-__host__ __device__ constexpr size_t tc_smem_bytes() {
-    return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + (FRESH ? fresh_bytes<HD>() : 0);
-}
+template <int HD, int S>
+__host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
 
 // S stages (2 or 3): chunk i + S - 1 is staged (cp.async) while chunk i is computed, so a split that reads
 // several chunks (long contexts) keeps S - 1 of them in flight. Its keys' slots and positions are loaded into
 // registers one chunk earlier still (key_slot's block-table read then never waits in the loop).
-//
-// FRESH (attention_qkv): q is the q/k/v GEMM's output, not yet normed or rotated, and the call's last nq keys are
-// its rows' own (fresh.kv). Where the keys before them are constant while this step's kernels run (fresh.settled:
-// earlier steps wrote them), the block stages its first chunks of them before pdl_wait, while the GEMM before it
-// ends; after the
-// wait it norms and rotates its q vectors (through stage S - 1, free until the loop stages into it) and its
-// fresh keys (norm_rope_head, rope.cuh: the same bits as qkv_norm_rope_write), straight into their stage rows,
-// and the blocks of query tile 0 write them and their values to the cache slots. No block reads a fresh key
-// from the cache, so none waits for that write.
-template <int HD, int S, bool FRESH>
+template <int HD, int S>
 __global__ void __launch_bounds__(kTcWarps * 32)
 attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                    PagedKeys keys, FreshRows fresh, float *out_part, Split *ml_part) {
+                    PagedKeys keys, float *out_part, Split *ml_part) {
     static_assert(S >= 2, "one chunk in flight at least");
-    if constexpr (FRESH) {
-        pdl_launch_dependents();     // pdl_wait below, after the first chunks are in flight,
-        if (!fresh.settled) pdl_wait();  // unless this step wrote keys before the rows' too
-    } else {
-        pdl_prologue();
-    }
+    pdl_prologue();
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8; // n8 tiles of O
@@ -227,8 +205,6 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
     auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
     int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());  // the chunk being staged
-    float2 *rot_s = reinterpret_cast<float2 *>(slot_s + kTcKeys);  // FRESH: [kFreshRows][HD / 2]
-    bf16 *qn_s = reinterpret_cast<bf16 *>(rot_s + kFreshRows * (HD / 2)), *kn_s = qn_s + HD;  // FRESH: [HD] each
 
     const int group = n_heads / n_kv_heads;
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -247,26 +223,21 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         vec_ok[h] = v < n_vec;
         qpos[h] = vec_ok[h] ? q_positions[v / group] : 0;
     }
-    // The fragments from q's rows at stride ld (global memory, or FRESH's normed copy in shared memory).
-    auto load_q = [&](const bf16 *qsrc, int64_t ld, bool by_vector) {
 #pragma unroll
-        for (int kk = 0; kk < kSteps; ++kk)
+    for (int kk = 0; kk < kSteps; ++kk)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int v = vec0 + g + 8 * h;
-                uint32_t lo = 0, hi = 0;
-                if (vec_ok[h]) {
-                    const bf16 *row = by_vector ? qsrc + int64_t(v - blockIdx.z * kTcVectors) * ld + kk * 16 + 2 * qd
-                                                : qsrc + int64_t(v / group) * ld +
-                                                      int64_t(kv_head * group + v % group) * HD + kk * 16 + 2 * qd;
-                    lo = *reinterpret_cast<const uint32_t *>(row);
-                    hi = *reinterpret_cast<const uint32_t *>(row + 8);
-                }
-                qa[kk][h] = lo;      // a0 (row g) / a1 (row g + 8)
-                qa[kk][2 + h] = hi;  // a2 / a3
+        for (int h = 0; h < 2; ++h) {
+            const int v = vec0 + g + 8 * h;
+            uint32_t lo = 0, hi = 0;
+            if (vec_ok[h]) {
+                const bf16 *row = q + int64_t(v / group) * ldq +
+                                  int64_t(kv_head * group + v % group) * HD + kk * 16 + 2 * qd;
+                lo = *reinterpret_cast<const uint32_t *>(row);
+                hi = *reinterpret_cast<const uint32_t *>(row + 8);
             }
-    };
-    if constexpr (!FRESH) load_q(q, ldq, false);
+            qa[kk][h] = lo;      // a0 (row g) / a1 (row g + 8)
+            qa[kk][2 + h] = hi;  // a2 / a3
+        }
 
     float o[kDimTiles][4];
 #pragma unroll
@@ -289,103 +260,35 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     auto n_keys_of = [&](int c) { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); };
     // Threads j < kTcKeys: key j's block-table entry and position for chunk c, in registers (pend_*), then its
     // slot into slot_s and its position into stage st (stage_keys).
-    // FRESH: keys [fresh0, key_end) are the rows' own (row r: key fresh0 + r), staged by fill_fresh, never
-    // read from the cache. Before the wait (positions, inv_freq and the norm weights are the step's constants):
-    // the rows' rotations, sincosf as norm_rope_head computes them, once per block instead of once per head, and
-    // the norm weights (ones where there is no norm: not read then), so the per-element reads hit shared memory.
-    const int64_t fresh0 = FRESH ? key_end - nq : key_end;
-    if constexpr (FRESH) {
-        for (int i = threadIdx.x; i < nq * (HD / 2); i += kTcWarps * 32) {
-            const int r = i / (HD / 2), j = i % (HD / 2);
-            float sn, cs;
-            sincosf(float(q_positions[r]) * fresh.inv_freq[j], &sn, &cs);
-            rot_s[i] = make_float2(cs * fresh.attention_factor, sn * fresh.attention_factor);
-        }
-        for (int j = threadIdx.x; j < HD; j += kTcWarps * 32) {
-            qn_s[j] = fresh.q_norm ? fresh.q_norm[j] : to_bf16(1.f);
-            kn_s[j] = fresh.k_norm ? fresh.k_norm[j] : to_bf16(1.f);
-        }
-    }
     int32_t pend_block = -1, pend_pos = 0;
     int64_t pend_ring = 0;
-    bool pend_fresh = false;
     auto load_keys = [&](int c) {
         const int j = threadIdx.x;
         pend_block = -1;
         if (j < kTcKeys && c < n_chunks && j < n_keys_of(c)) {
-            const int64_t logical = first0 + c * stride + j;
-            pend_ring = key_ring(keys, logical);
+            pend_ring = key_ring(keys, first0 + c * stride + j);
             pend_block = keys.block_table[pend_ring / keys.block_size];
             pend_pos = keys.slot_positions[pend_ring];
-            pend_fresh = logical >= fresh0;
         }
     };
-    // slot_s[j]: key j's cache slot; -1: none (zeros: past the last key), -2: fresh (fill_fresh).
     auto stage_keys = [&](int st) {
         const int j = threadIdx.x;
         if (j < kTcKeys) {
             const bool ok = pend_block >= 0;
-            slot_s[j] = !ok ? -1 : pend_fresh ? -2 : int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size;
+            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
             kpos_stage(st)[j] = ok ? pend_pos : 0;
         }
     };
     // Chunk c's K and V into stage st by cp.async (slot_s: its slots), zeros past the last key: every piece
-    // in flight at once. The caches were written before pdl_wait (FRESH: before this step, or the pieces are
-    // fresh and skipped here), so these coherent L2 reads see them.
+    // in flight at once. The caches were written before pdl_wait, so these coherent L2 reads see them.
     auto stage_kv = [&](int st) {
         bf16 *ks = k_stage(st), *vs = v_stage(st);
         for (int i = threadIdx.x; i < kTcKeys * kVecsPerRow; i += kTcWarps * 32) {
             const int j = i / kVecsPerRow, piece = i % kVecsPerRow;
             const int64_t slot = slot_s[j];
-            if (FRESH && slot == -2) continue;
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
             cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
-        }
-    };
-    // FRESH, after pdl_wait: the fresh keys of chunk c into stage st, normed and rotated (K, a quad of lanes per
-    // key: norm_rope_quad) or copied (V) from the rows; the blocks of query tile 0 also write them to the rows'
-    // cache slots. Block-uniform (the quads' shuffles).
-    auto fill_fresh = [&](int st, int c) {
-        if constexpr (FRESH) {
-            if (c >= n_chunks) return;
-            const int64_t first = first0 + c * stride, last = first + n_keys_of(c);
-            const int64_t r0 = max(first, fresh0) - fresh0, r1 = last - fresh0;  // the rows whose keys are here
-            if (r1 <= r0) return;
-            bf16 *ks = k_stage(st), *vs = v_stage(st);
-            const bool write = blockIdx.z == 0;
-            const int quad = threadIdx.x >> 2, q4 = threadIdx.x & 3;
-            for (int64_t base = r0; base < r1; base += kTcWarps * 8) {
-                const int64_t r = base + quad;
-                const bool ok = r < r1;
-                QuadHead<HD> head{};
-                if (ok) load_quad_head<HD>(fresh.kv + r * ldq + int64_t(kv_head) * HD, q4, head);
-                const int j = int(fresh0 + (ok ? r : r0) - first);
-                norm_rope_quad<HD>(head, ks + j * kStride, fresh.k_norm ? kn_s : nullptr, fresh.eps,
-                                   rot_s + (ok ? r : r0) * (HD / 2),
-                                   ok && write ? fresh.k_cache + int64_t(fresh.slots[r]) * kv_width + int64_t(kv_head) * HD
-                                               : nullptr,
-                                   q4, ok);
-            }
-            // V: kFreshRows keys' pieces over the block's threads, every load issued before the first store
-            constexpr int kPer = kFreshRows * kVecsPerRow / (kTcWarps * 32);
-            static_assert(kPer * kTcWarps * 32 == kFreshRows * kVecsPerRow, "whole passes");
-            uint4 val[kPer];
-#pragma unroll
-            for (int t = 0; t < kPer; ++t) {
-                const int64_t i = threadIdx.x + t * kTcWarps * 32, r = r0 + i / kVecsPerRow;
-                if (r < r1) val[t] = load_act16(fresh.kv + r * ldq + int64_t(n_kv_heads + kv_head) * HD + (i % kVecsPerRow) * 8);
-            }
-#pragma unroll
-            for (int t = 0; t < kPer; ++t) {
-                const int64_t i = threadIdx.x + t * kTcWarps * 32, r = r0 + i / kVecsPerRow;
-                if (r >= r1) continue;
-                const int piece = int(i % kVecsPerRow), j = int(fresh0 + r - first);
-                *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) = val[t];
-                if (write)
-                    *reinterpret_cast<uint4 *>(fresh.v_cache + int64_t(fresh.slots[r]) * kv_width +
-                                               int64_t(kv_head) * HD + piece * 8) = val[t];
-            }
         }
     };
     // Prologue: chunks 0 .. S - 2 staged (one cp.async group each, empty past the last chunk).
@@ -399,37 +302,6 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         if (c < n_chunks) stage_kv(c);
         cp_async_commit();
     }
-    if constexpr (FRESH) {
-        pdl_wait();  // the rows are written
-        // This block's q vectors, normed and rotated, into stage S - 1's K rows (vector v at row v - the tile's
-        // first; a quad of lanes per vector, the loads of both passes issued first), then into the fragments. The
-        // loop's first barrier orders these reads before chunk S - 1 is staged there.
-        bf16 *qs = k_stage(S - 1);
-        {
-            constexpr int kPasses = kTcVectors / (kTcWarps * 8);  // 2: 32 quads per block
-            const int quad = threadIdx.x >> 2, q4 = threadIdx.x & 3;
-            QuadHead<HD> heads[kPasses];
-#pragma unroll
-            for (int t = 0; t < kPasses; ++t) {
-                const int v = blockIdx.z * kTcVectors + quad + 32 * t;
-                heads[t] = QuadHead<HD>{};
-                if (v < n_vec)
-                    load_quad_head<HD>(q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD, q4,
-                                       heads[t]);
-            }
-#pragma unroll
-            for (int t = 0; t < kPasses; ++t) {
-                const int v = blockIdx.z * kTcVectors + quad + 32 * t;
-                const bool ok = v < n_vec;
-                norm_rope_quad<HD>(heads[t], qs + (quad + 32 * t) * kStride, fresh.q_norm ? qn_s : nullptr, fresh.eps,
-                                   rot_s + (ok ? v / group : 0) * (HD / 2), nullptr, q4, ok);
-            }
-        }
-        __syncthreads();
-        load_q(qs, kStride, true);
-#pragma unroll
-        for (int c = 0; c < S - 1; ++c) fill_fresh(c, c);
-    }
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<S - 2>();  // this thread's copies of chunk i have landed
         __syncthreads();         // everyone's; and chunk i - 1 is consumed, its stage free; slot_s read
@@ -439,7 +311,6 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
         __syncthreads();  // slot_s written
         if (c < n_chunks) stage_kv(st);
         cp_async_commit();
-        fill_fresh(st, c);
         if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
         const int n_keys = n_keys_of(i);
         const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
@@ -662,17 +533,12 @@ bool allow_tc_smem(int64_t hd) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
             return true;
         };
-        if (!allow(attention_tc_kernel<128, 2, false>, tc_smem_bytes<128, 2>()) ||
-            !allow(attention_tc_kernel<64, 2, false>, tc_smem_bytes<64, 2>()) ||
-            !allow(attention_tc_kernel<128, 2, true>, tc_smem_bytes<128, 2, true>()) ||
-            !allow(attention_tc_kernel<64, 2, true>, tc_smem_bytes<64, 2, true>()))
+        if (!allow(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>()) ||
+            !allow(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>()))
             fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: ", tc_smem_bytes<128, 2>(),
                  " bytes of shared memory per block needed, the device allows ", optin);
-        const bool fit64 = allow(attention_tc_kernel<64, 3, false>, tc_smem_bytes<64, 3>()) &&
-                           allow(attention_tc_kernel<64, 3, true>, tc_smem_bytes<64, 3, true>());
-        const bool fit128 = allow(attention_tc_kernel<128, 3, false>, tc_smem_bytes<128, 3>()) &&
-                            allow(attention_tc_kernel<128, 3, true>, tc_smem_bytes<128, 3, true>());
-        return (fit64 ? 1 : 0) | (fit128 ? 2 : 0);
+        return (allow(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>()) ? 1 : 0) |
+               (allow(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>()) ? 2 : 0);
     }();
     return fits3 & (hd == 128 ? 2 : 1);
 }
@@ -693,21 +559,10 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
-// attention_qkv in one kernel: the tensor-core path, for the calls whose splits are laid out for uniform rows
-// (verify blocks and decode steps; a prefill chunk's many query tiles would each norm its fresh keys again).
-bool attention_qkv_fused(int64_t nq, int64_t head_dim, const PagedKeys &keys) {
-    return use_tc(head_dim) && qkv_norm_rope_write_fused(head_dim) && keys.uniform_rows > 0 &&
-           nq <= keys.uniform_rows && nq <= kFreshRows;
-}
-
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
-               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s, const FreshRows *fresh) {
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s) {
     if (nq == 0) return;
-    if (fresh && (!attention_qkv_fused(nq, head_dim, keys) || keys.num_keys < nq || !fresh->kv || !fresh->slots ||
-                  fresh->k_cache != keys.k_cache || fresh->v_cache != keys.v_cache))
-        fail(DFLASH_STATUS_INTERNAL, "cuda attention: fresh rows where the fused kernel does not apply (nq ", nq,
-             ", head_dim ", head_dim, ", keys ", keys.num_keys, ")");
     if (head_dim > kMaxHeadDim || head_dim % 2)
         fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: head_dim ", head_dim,
              " (supported: even, up to ", kMaxHeadDim, ")");
@@ -732,24 +587,16 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         const int64_t chunks = (capacity(keys) + kTcKeys - 1) / kTcKeys;
         const bool fits3 = allow_tc_smem(head_dim);  // sets the shared-memory opt-ins (first call)
         const bool deep = (chunks + p.splits - 1) / p.splits >= 3 && fits3;
-        const FreshRows rows = fresh ? *fresh : FreshRows{};
         auto go = [&](auto kernel, size_t smem) {
             launch(kernel, grid, kTcWarps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
-                   int(n_kv_heads), scale, mask.causal, mask.window, keys, rows, out_part, ml_part);
-        };
-        auto pick = [&](auto hd_tag) {
-            constexpr int HD = decltype(hd_tag)::value;
-            if (fresh)
-                deep ? go(attention_tc_kernel<HD, 3, true>, tc_smem_bytes<HD, 3, true>())
-                     : go(attention_tc_kernel<HD, 2, true>, tc_smem_bytes<HD, 2, true>());
-            else
-                deep ? go(attention_tc_kernel<HD, 3, false>, tc_smem_bytes<HD, 3>())
-                     : go(attention_tc_kernel<HD, 2, false>, tc_smem_bytes<HD, 2>());
+                   int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
         };
         if (head_dim == 128)
-            pick(std::integral_constant<int, 128>{});
+            deep ? go(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>())
+                 : go(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>());
         else
-            pick(std::integral_constant<int, 64>{});
+            deep ? go(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>())
+                 : go(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>());
     } else {
         const size_t smem = smem_bytes(head_dim);
         static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory

@@ -279,36 +279,6 @@ public:
                                   eps, positions, inv_freq, attention_factor, slots, as_bf16(k_cache),
                                   as_bf16(v_cache), stream_);
     }
-    // One kernel (attention.cu's FRESH tensor-core kernel) where cuda::attention_qkv_fused; DFLASH_FUSED_ATTN_QKV=0
-    // keeps the two (the A/B switch; the same bits).
-    void attention_qkv(void *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       const WeightView *q_norm, const WeightView *k_norm, float eps, const int32_t *positions,
-                       const float *inv_freq, float attention_factor, const int32_t *slots, void *k_cache,
-                       void *v_cache, float scale, AttentionMask mask, const PagedKeys &keys, bool settled,
-                       void *out) override {
-        static const bool fused = env_switch_on("DFLASH_FUSED_ATTN_QKV");
-        if (!fused || !cuda::attention_qkv_fused(rows, head_dim, keys) || keys.k_cache != k_cache ||
-            keys.v_cache != v_cache) {
-            Backend::attention_qkv(qkv, ld, rows, heads, kv_heads, head_dim, q_norm, k_norm, eps, positions,
-                                   inv_freq, attention_factor, slots, k_cache, v_cache, scale, mask, keys, settled,
-                                   out);
-            return;
-        }
-        cuda::FreshRows fresh;
-        fresh.kv = as_bf16(qkv) + heads * head_dim;
-        fresh.q_norm = q_norm ? weight_data(*q_norm, "attention_qkv") : nullptr;
-        fresh.k_norm = k_norm ? weight_data(*k_norm, "attention_qkv") : nullptr;
-        fresh.eps = eps;
-        fresh.inv_freq = inv_freq;
-        fresh.attention_factor = attention_factor;
-        fresh.slots = slots;
-        fresh.k_cache = as_bf16(k_cache);
-        fresh.v_cache = as_bf16(v_cache);
-        fresh.settled = settled;
-        void *scratch = grow(attention_scratch_, cuda::attention_scratch_bytes(rows, heads, head_dim, kv_heads, keys));
-        cuda::attention(as_bf16(qkv), ld, rows, positions, heads, kv_heads, head_dim, scale, mask, keys, scratch,
-                        as_bf16(out), stream_, &fresh);
-    }
     void head_norm_rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                         const WeightView *w, float eps, const int32_t *positions,
                         const float *inv_freq, float attention_factor) override {

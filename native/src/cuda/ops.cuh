@@ -100,22 +100,9 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
 // attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys);
-// Backend::attention_qkv's rows, for attention(): q (its first argument) as the q/k/v GEMM wrote it, and the
-// call's last nq keys the rows' own, from kv (at q's row stride). attention_qkv_fused says where it applies.
-struct FreshRows {
-    const bf16 *kv = nullptr;                // [nq, ldq]: k heads, then v heads
-    const bf16 *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] each, or null: no norm
-    float eps = 0.f;
-    const float *inv_freq = nullptr;         // [head_dim / 2]
-    float attention_factor = 1.f;
-    const int32_t *slots = nullptr;          // [nq] the rows' cache slots (device)
-    bf16 *k_cache = nullptr, *v_cache = nullptr;  // the caches keys reads, written at slots
-    bool settled = false;  // the keys before the rows' were written before this step (staged before pdl_wait)
-};
-bool attention_qkv_fused(int64_t nq, int64_t head_dim, const PagedKeys &keys);
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
-               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s, const FreshRows *fresh = nullptr);
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s);
 
 // sampling.cu
 void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,

@@ -4,14 +4,12 @@
 #include <algorithm>
 
 #include "ops.cuh"
-#include "rope.cuh"
 
 namespace dflash {
 namespace cuda {
 namespace {
 
 constexpr int kHeadsPerBlock = 4;
-constexpr int kWarpsPerBlock = 4;  // head_norm_rope_kernel, qkv_norm_rope_write_kernel: a warp per head
 
 // x: [rows, ld] holding [heads, head_dim]; positions: [rows]; inv_freq: [head_dim / 2].
 // grid (rows, ceil(heads / kHeadsPerBlock)); thread (j, hl) rotates pair j of head
@@ -36,6 +34,55 @@ __global__ void rope_kernel(bf16 *x, int heads, int head_dim, int64_t ld, const 
     }
 }
 
+// One warp per (row, head): lane owns rotation pairs j = lane, lane + 32, ... (j and j + half).
+// Norm (fp32 statistics, result rounded to bf16 as rms_norm stores it), then the rotation.
+constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
+constexpr int kWarpsPerBlock = 4;
+
+// One head of head_dim at v (this warp): the norm with w (skipped when null), then the rotation,
+// in place; the result also goes to `copy` when it is not null (a k head into its cache slot).
+__device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16 *w, float eps, float pos,
+                                               const float *inv_freq, float attention_factor, bf16 *copy,
+                                               int lane) {
+    const int half = head_dim / 2;
+    float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxPairsPerLane; ++i) {
+        const int j = lane + 32 * i;
+        a[i] = j < half ? to_float(v[j]) : 0.f;
+        b[i] = j < half ? to_float(v[j + half]) : 0.f;
+        ss += a[i] * a[i] + b[i] * b[i];
+    }
+    if (w) {
+        const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
+#pragma unroll
+        for (int i = 0; i < kMaxPairsPerLane; ++i) {
+            const int j = lane + 32 * i;
+            if (j < half) {
+                a[i] = to_float(to_bf16(to_float(w[j]) * (a[i] * inv)));
+                b[i] = to_float(to_bf16(to_float(w[j + half]) * (b[i] * inv)));
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxPairsPerLane; ++i) {
+        const int j = lane + 32 * i;
+        if (j >= half) break;
+        float sn, cs;
+        sincosf(pos * inv_freq[j], &sn, &cs);
+        cs *= attention_factor;
+        sn *= attention_factor;
+        const bf16 lo = to_bf16(a[i] * cs - b[i] * sn), hi = to_bf16(b[i] * cs + a[i] * sn);
+        v[j] = lo;
+        v[j + half] = hi;
+        if (copy) {
+            copy[j] = lo;
+            copy[j + half] = hi;
+        }
+    }
+}
+
 __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
                                       const bf16 *w, float eps, const int32_t *positions,
                                       const float *inv_freq, float attention_factor) {
@@ -43,8 +90,7 @@ __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head
     const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
     if (item >= rows * heads) return;
     const int64_t row = item / heads;
-    bf16 *head = x + row * ld + (item % heads) * head_dim;
-    norm_rope_head(head, head, head_dim, w, eps, float(positions[row]), inv_freq,
+    norm_rope_head(x + row * ld + (item % heads) * head_dim, head_dim, w, eps, float(positions[row]), inv_freq,
                    attention_factor, nullptr, threadIdx.x & 31);
 }
 
@@ -64,15 +110,14 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
     const int h = int(item % per_row);
     const float pos = float(positions[row]);
     if (h < heads) {
-        bf16 *head = q + row * ldq + int64_t(h) * head_dim;
-        norm_rope_head(head, head, head_dim, q_norm, eps, pos, inv_freq,
+        norm_rope_head(q + row * ldq + int64_t(h) * head_dim, head_dim, q_norm, eps, pos, inv_freq,
                        attention_factor, nullptr, lane);
         return;
     }
     bf16 *src = kv + row * ldkv + int64_t(h - heads) * head_dim;  // k heads, then v heads
     const int64_t kv_width = int64_t(kv_heads) * head_dim, slot = slots[row];
     if (h < heads + kv_heads) {
-        norm_rope_head(src, src, head_dim, k_norm, eps, pos, inv_freq, attention_factor,
+        norm_rope_head(src, head_dim, k_norm, eps, pos, inv_freq, attention_factor,
                        k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
         return;
     }
