@@ -173,9 +173,6 @@ __device__ __forceinline__ uint32_t load_act_u16(const void *p) {
     return v;
 }
 
-// A hint: the 128-byte line at p into this SM's L1 (and L2).
-__device__ __forceinline__ void prefetch_l1(const void *p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
-
 __device__ __forceinline__ float load_act_f32(const float *p) {
     float v;
     asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p));

@@ -65,13 +65,6 @@ enum class Epilogue { Store, Logits, Argmax, SwiGLU };
 // kPlain (accumulate is a runtime flag), kNorm (a folded norm: ss_in), kStats (Store: ss_out, the
 // stored rows' sums of squares for the norming GEMM after it).
 constexpr int kPlain = 0, kNorm = 1, kStats = 2;
-// gemm_stream_kernel's accumulate: a plain store, y += the product, or that with y prefetched into L1 after the
-// wait (DFLASH_GEMM_PREFETCH_Y=0 turns the prefetch off: the A/B switch).
-constexpr int kAccumulateNone = 0, kAccumulate = 1, kAccumulatePrefetch = 2;
-int accumulate_mode(bool accumulate) {
-    static const bool prefetch = env_switch_on("DFLASH_GEMM_PREFETCH_Y");
-    return !accumulate ? kAccumulateNone : prefetch ? kAccumulatePrefetch : kAccumulate;
-}
 
 struct ArgmaxPartial {
     float value;
@@ -383,7 +376,7 @@ __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
-                   int64_t col_blocks, float norm_eps, int accumulate, const float *ss_in, float *ss_out) {
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
@@ -481,19 +474,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
 #pragma unroll
     for (int a = 0; a < kXAhead; ++a)
         if (x_loaded < total) load_x_next(xs[a]);
-    // kAccumulatePrefetch: the residual finish_tile adds to (this block's first column block's elements of y),
-    // into L1 now, so that read after the k loop does not wait for L2. pdl_wait has made y final, and only this
-    // block writes those elements, so the lines L1 holds stay right for every element the block reads.
-    if constexpr (E == Epilogue::Store) {
-        if (accumulate == kAccumulatePrefetch) {
-            constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
-            for (int i = threadIdx.x; i < kTileM * kBlockCols; i += kWarps * 32) {
-                const int cc = i % kBlockCols;
-                const int64_t m = wt.m0 + i / kBlockCols, n = wt.col_block * kBlockCols + cc;
-                if (cc % 64 == 0 && m < M && n < N) prefetch_l1(y + m * ldy + n);  // a 128-byte line per 64 columns
-            }
-        }
-    }
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
     float *row_scale = nullptr;
@@ -542,7 +522,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         }
         if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
         finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
-                                 row_scale, accumulate != kAccumulateNone, ss_out);
+                                 row_scale, accumulate, ss_out);
     }
 }
 
@@ -801,7 +781,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
                    multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
-                   fuse.norm_eps, accumulate_mode(fuse.accumulate), fuse.ss_in, fuse.ss_out);
+                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
         } else if constexpr (!kSwiGLU && FUSE == kPlain) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
