@@ -8,12 +8,14 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
+//                              [--sweep]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
 // capacity N + 64, the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
-// step. The library's switches apply (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process
-// per setting).
+// step; --sweep (with --ctx) times the chain without the phase, with only its rope kernel, with only attention
+// and the combine, and whole, in one process (what each kernel adds per layer). The library's switches apply
+// (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,7 +62,7 @@ struct Matrix {
 
 int main(int argc, char **argv) {
     int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
-    bool host = false;
+    bool host = false, sweep = false;
     std::string only;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -77,9 +79,10 @@ int main(int argc, char **argv) {
         else if (a == "--only") only = next();
         else if (a == "--ctx") ctx = std::atoll(next());
         else if (a == "--host") host = true;
+        else if (a == "--sweep") sweep = true;
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N]\n");
+                                 "[--ctx N] [--sweep]\n");
             return 2;
         }
     }
@@ -208,14 +211,16 @@ int main(int argc, char **argv) {
         keys.num_keys = ctx + rows;
         keys.num_keys_device = step_args + 2 * rows;
         keys.uniform_rows = 16;  // the target's max_verify_rows at block 16
+        keys.fresh_keys = rows;  // as Target::forward: the keys before the step's rows are settled
     }
     const WeightView norm_w{qk_norm, DFLASH_DTYPE_BF16, 1, hd, false};
+    bool do_rope = true, do_attn = true;  // --sweep: the attention phase's kernels one by one
     auto attention_phase = [&](int64_t l) {
-        b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
+        if (do_rope) b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
                                step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
         keys.k_cache = k_cache[size_t(l)];
         keys.v_cache = v_cache[size_t(l)];
-        b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
+        if (do_attn) b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
                      attn);
     };
     const GemmFuse norm{folded ? eps : 0.f, false, folded ? ss : nullptr, nullptr};
@@ -273,6 +278,23 @@ int main(int argc, char **argv) {
     }
     const double copy_bw = 2.0 * double(copy_bytes) / (copy_ms * 1e-3);
     float ms = 0.f;
+    if (sweep && ctx > 0) {  // the chain without the phase, with its rope kernel only, with attention only, whole
+        struct Part { const char *name; bool rope, attn; int64_t ctx; };
+        const Part parts[] = {{"the GEMMs only", false, false, 0}, {"+ q/k norm, RoPE, cache write", true, false, ctx},
+                              {"+ attention and combine (no rope kernel)", false, true, ctx},
+                              {"+ the whole attention phase", true, true, ctx}};
+        const int64_t ctx0 = ctx;
+        float base = 0.f;
+        for (const Part &pt : parts) {
+            do_rope = pt.rope, do_attn = pt.attn, ctx = pt.ctx;
+            const float t = median_ms(step, iters);
+            if (pt.ctx == 0) base = t;
+            std::printf("sweep rows %lld ctx %lld: %-42s %.3f ms (%+.2f us per layer)\n", (long long)rows,
+                        (long long)ctx0, pt.name, t, (t - base) * 1e3 / double(layers));
+        }
+        ctx = ctx0;
+        do_rope = do_attn = true;
+    }
     try {
         ms = median_ms(step, iters);
     } catch (const Error &e) {

@@ -84,6 +84,14 @@ struct PagedKeys {
     // for bit: verify blocks and decode steps; the model's widest block): the cuda backend sizes its
     // splits for this many rows, not for the call's; wider calls (prefill chunks) and 0 use their own.
     int64_t uniform_rows = 0;
+    // >= 0: all but the last fresh_keys keys (their K/V, block-table entries and slot positions, and the
+    // key count) were written before the call's chain of kernels began (a copy from the host ended it),
+    // so the cuda backend may read them before its wait for the kernels before it (the target's
+    // steps: fresh_keys = the step's rows). -1: nothing is known; every read waits. Non-null
+    // fresh_keys_device: the count lives there ([1] int32 device, written as the key count is: graphs), and
+    // fresh_keys >= 0 only says that it does.
+    int64_t fresh_keys = -1;
+    const int32_t *fresh_keys_device = nullptr;
 };
 
 // What a GEMM's rows must agree with (DESIGN §5). Uniform: each row gets the same bits as the same
@@ -232,6 +240,8 @@ public:
     // heads (q_norm) and the k heads (k_norm), then kv_write of k and v to slots[rows]. heads may
     // be 0 (q unused: the drafter's context rows). One pass where the backend fuses it, with the
     // same roundings. The target passes one fused q/k/v row (kv = q + heads * head_dim).
+    // head_norm_rope and this: positions, slots, inv_freq and the norms must not come from a kernel of the
+    // same chain (the step's upload writes them), since the cuda kernels read them before their wait.
     virtual void qkv_norm_rope_write(void *q, int64_t ldq, void *kv, int64_t ldkv, int64_t rows, int64_t heads,
                                      int64_t kv_heads, int64_t head_dim, const WeightView *q_norm,
                                      const WeightView *k_norm, float eps, const int32_t *positions,

@@ -209,7 +209,7 @@ void Drafter::finalize() {
         kv(fuse_qkv ? nullptr : b, fuse_qkv ? 0 : g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
-        step(b, (4 * g + 2 * c + 1) * sizeof(int32_t)),
+        step(b, (4 * g + 2 * c + 2) * sizeof(int32_t)),
         probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
         ss(fold ? b : nullptr, fold ? g * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
@@ -455,7 +455,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     // of the block, the pending context rows' positions and slots, the drafts' place (written by the
     // kernels), the key count (read by the graphed kernels); the slot positions of both (one contiguous
     // ring range) in a second.
-    std::vector<int32_t> args(num_keys_at + 1, 0);
+    std::vector<int32_t> args(num_keys_at + 2, 0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
     if (pending) pending_args(seq, args.data() + 3 * gamma_);
     for (int32_t j = 0; j < width; ++j) {
@@ -473,7 +473,11 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     keys.num_keys = cached_after - keys.first_key + width;
     int32_t *dev = step_i32_.as<int32_t>();
     args[num_keys_at] = int32_t(keys.num_keys);
-    if (graphed) keys.num_keys_device = dev + num_keys_at;
+    // The keys this propose's kernels write (the pending context rows', the block's); the earlier ones were
+    // written before the uploads below, so attention may stage them before it waits for its predecessors.
+    keys.fresh_keys = pending + width;
+    args[num_keys_at + 1] = int32_t(keys.fresh_keys);
+    if (graphed) keys.num_keys_device = dev + num_keys_at, keys.fresh_keys_device = dev + num_keys_at + 1;
     upload_slot_positions(seq, seq.cached, pending + width);
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
     project_pending(seq, true);

@@ -248,6 +248,7 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     keys.num_keys = int64_t(start) + n;
     keys.num_keys_device = dev + 3 * R;
     keys.uniform_rows = p_.max_verify_rows;  // verify and decode rows split the keys alike
+    keys.fresh_keys = n;  // the keys before this forward's rows are settled: the upload above waited for them
 
     const int64_t F = capture ? capture->feature_width() : 0;
     const dflash_drafter_params *dp = capture ? &capture->params() : nullptr;

@@ -1429,6 +1429,9 @@ struct AttnShape {
     // device memory as graphs read it, so splits past the last key return at once
     int64_t capacity = 0;
     int64_t uniform_rows = 16;  // PagedKeys::uniform_rows (the engine's verify width); 0: the call's rows
+    // >= 0: PagedKeys::fresh_keys (the cuda kernel stages the keys before the last `fresh` ahead of its
+    // wait); with the count on the device, fresh_keys_device too. The rows-agree case: the call's rows.
+    int64_t fresh = -1;
 };
 
 // Builds one paged cache on a backend: every slot the keys do not use holds NaN, so a kernel that
@@ -1490,7 +1493,8 @@ struct PagedBuffers {
     PagedBuffers(Backend &be, const PagedSetup &p)
         : k(upload_act(be, p.k)), v(upload_act(be, p.v)), table(upload_vec(be, p.block_table)),
           spos(upload_vec(be, p.slot_positions)), qpos(upload_vec(be, p.q_positions)) {}
-    PagedKeys keys(const PagedSetup &p, int64_t count, const int32_t *count_dev, int64_t uniform_rows) const {
+    PagedKeys keys(const PagedSetup &p, int64_t count, const int32_t *count_dev, int64_t uniform_rows,
+                   int64_t fresh = -1, const int32_t *fresh_dev = nullptr) const {
         PagedKeys keys;
         keys.k_cache = k.get();
         keys.v_cache = v.get();
@@ -1502,6 +1506,8 @@ struct PagedBuffers {
         keys.num_keys = count;
         keys.num_keys_device = count_dev;
         keys.uniform_rows = uniform_rows;
+        keys.fresh_keys = fresh;
+        keys.fresh_keys_device = fresh >= 0 ? fresh_dev : nullptr;
         return keys;
     }
 };
@@ -1509,7 +1515,8 @@ struct PagedBuffers {
 std::string attn_desc(const AttnShape &s, const char *wrap) {
     return cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim, " keys=", s.num_keys,
                " mask=", mask_name(s.mask), s.wrap ? wrap : "",
-               s.capacity ? cat(" capacity ", s.capacity, ", count on device") : "");
+               s.capacity ? cat(" capacity ", s.capacity, ", count on device") : "",
+               s.fresh >= 0 ? cat(" fresh ", s.fresh) : "");
 }
 
 void run_attention_case(Group &g, const AttnShape &s) {
@@ -1527,11 +1534,12 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   Backend &be = b ? *C : *H;
                   const PagedBuffers bufs(be, p);
                   DeviceBuffer qb = upload_act(be, q);
-                  const std::vector<int32_t> count = {int32_t(s.num_keys)};
+                  const std::vector<int32_t> count = {int32_t(s.num_keys), int32_t(s.fresh)};
                   DeviceBuffer count_dev = upload_vec(be, count);
                   DeviceBuffer out = poisoned(be, out_count * act_size(be));
-                  const PagedKeys keys =
-                      bufs.keys(p, s.num_keys, s.capacity ? count_dev.as<int32_t>() : nullptr, s.uniform_rows);
+                  const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
+                  const PagedKeys keys = bufs.keys(p, s.num_keys, count_ptr, s.uniform_rows, s.fresh,
+                                                   count_ptr ? count_ptr + 1 : nullptr);
                   be.attention(qb.get(), ldq, s.nq, bufs.qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
                                p.mask, keys, out.get());
                   sync(be);
@@ -1557,11 +1565,13 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
               DeviceBuffer qb = upload_act(be, q);
               // Rows [row0, row0 + rows) over the first `count` keys.
               auto run = [&](int64_t row0, int64_t rows, int64_t count) {
-                  const std::vector<int32_t> counts = {int32_t(count)};
+                  const int64_t fresh = s.fresh >= 0 ? rows : -1;  // as the target: the call's own rows
+                  const std::vector<int32_t> counts = {int32_t(count), int32_t(fresh)};
                   DeviceBuffer count_dev = upload_vec(be, counts);
                   DeviceBuffer out = poisoned(be, size_t(rows * q_width) * act_size(be));
+                  const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
                   const PagedKeys keys =
-                      bufs.keys(p, count, s.capacity ? count_dev.as<int32_t>() : nullptr, s.uniform_rows);
+                      bufs.keys(p, count, count_ptr, s.uniform_rows, fresh, count_ptr ? count_ptr + 1 : nullptr);
                   const char *q_rows = static_cast<const char *>(qb.get()) + size_t(row0 * q_width) * act_size(be);
                   be.attention(q_rows, q_width, rows, bufs.qpos.as<int32_t>() + row0, n_heads, s.n_kv, s.head_dim,
                                scale, p.mask, keys, out.get());
@@ -1633,6 +1643,15 @@ void test_attention() {
         run_attention_case(g, {16, 4, 8, 128, 5000, MASK_CAUSAL, false});
     }
     run_large_ring_cases();
+    // Settled keys staged before the kernel's wait (PagedKeys::fresh_keys): the target's steps (fresh = its
+    // rows; the count and the fresh count on the device), a wrapped window, fresh keys partly inside chunk 0,
+    // every key fresh.
+    run_attention_case(g, {16, 4, 8, 128, 1000, MASK_CAUSAL, false, 0, 16, 16});
+    run_attention_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1});
+    run_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, true, 0, 16, 7});
+    run_attention_case(g, {16, 4, 2, 128, 40, MASK_CAUSAL, false, 0, 16, 16});
+    run_attention_case(g, {5, 4, 2, 128, 5, MASK_CAUSAL, false, 4096, 16, 5});
+    run_attention_case(g, {16, 4, 8, 128, 3000, MASK_NONE, true, 8192, 16, 23});
     // Verify rows == decode rows, bit for bit: the tensor-core kernel (head_dim 128 and 64, one and
     // two query tiles per block), the other kernel, several chunks per split, the count on the
     // device or not, a window, a wrapped ring.
@@ -1640,6 +1659,7 @@ void test_attention() {
     run_attention_rows_agree_case(g, {16, 8, 8, 64, 3000, MASK_CAUSAL, false});
     run_attention_rows_agree_case(g, {16, 2, 8, 96, 3000, MASK_CAUSAL_WINDOW, true, 8192});
     run_attention_rows_agree_case(g, {3, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
+    run_attention_rows_agree_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 0});  // fresh: the rows
     if (g_opt.level >= DEFAULT) run_attention_rows_agree_case(g, {16, 4, 8, 128, 20000, MASK_CAUSAL, true, 32768});
 }
 

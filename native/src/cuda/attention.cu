@@ -10,6 +10,7 @@
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "ops.cuh"
 
@@ -187,6 +188,60 @@ __host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKe
 template <int HD, int S>
 __host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
 
+// A tensor-core block's key chunks (split s: chunks s, s + splits, ...; chunk c holds keys [first(c),
+// first(c) + n_keys(c)), first(c) = s * kTcKeys + c * stride), staged by kThreads threads: threads j < kTcKeys
+// load key j's block-table entry and position for chunk c into registers (load_keys: one chunk ahead, so the
+// block-table read never waits in the loop), then its slot into slot_s and its position into the stage
+// (stage_keys); stage_kv copies the chunk's K and V rows by 16-byte cp.async, zeros past the last key, every
+// piece in flight at once (coherent L2 reads: the caches were written before the block's wait, or are settled).
+template <int HD, int kThreads>
+struct ChunkStager {
+    static constexpr int kStride = HD + kTcPad, kPieces = HD / 8;
+    const PagedKeys &keys;
+    const bf16 *kc, *vc;  // this kv head's first element in the caches
+    int64_t kv_width, first0, stride, key_end;
+    int n_chunks;
+    int64_t *slot_s;
+    int32_t pend_block = -1, pend_pos = 0;
+    int64_t pend_ring = 0;
+
+    __device__ ChunkStager(const PagedKeys &k, int kv_head, int n_kv_heads, int split, int64_t end, int64_t *slots)
+        : keys(k), kc(static_cast<const bf16 *>(k.k_cache) + int64_t(kv_head) * HD),
+          vc(static_cast<const bf16 *>(k.v_cache) + int64_t(kv_head) * HD), kv_width(int64_t(n_kv_heads) * HD),
+          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end),
+          n_chunks(int((end - int64_t(split) * kTcKeys + stride - 1) / stride)), slot_s(slots) {}
+    __device__ int n_keys_of(int c) const { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); }
+    __device__ void load_keys(int c) {
+        const int j = threadIdx.x;
+        pend_block = -1;
+        if (j < kTcKeys && c < n_chunks && j < n_keys_of(c)) {
+            pend_ring = key_ring(keys, first0 + c * stride + j);
+            pend_block = keys.block_table[pend_ring / keys.block_size];
+            pend_pos = keys.slot_positions[pend_ring];
+        }
+    }
+    __device__ void stage_keys(int32_t *kpos) {
+        const int j = threadIdx.x;
+        if (j < kTcKeys) {
+            const bool ok = pend_block >= 0;
+            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
+            kpos[j] = ok ? pend_pos : 0;
+        }
+    }
+    // part 0: every key of chunk c; 1: only those below `settled`; 2: only the others.
+    __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0) const {
+        const int64_t first = first0 + c * stride;
+        for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
+            const int j = i / kPieces, piece = i % kPieces;
+            if (part != 0 && (first + j < settled) != (part == 1)) continue;
+            const int64_t slot = slot_s[j];
+            const bool ok = slot >= 0;
+            cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
+            cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
+        }
+    }
+};
+
 // S stages (2 or 3): chunk i + S - 1 is staged (cp.async) while chunk i is computed, so a split that reads
 // several chunks (long contexts) keeps S - 1 of them in flight. Its keys' slots and positions are loaded into
 // registers one chunk earlier still (key_slot's block-table read then never waits in the loop).
@@ -247,72 +302,32 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
-    const int64_t key_end = key_count(keys), stride = int64_t(gridDim.y) * kTcKeys;
+    const int64_t key_end = key_count(keys);
     if (int64_t(split) * kTcKeys >= key_end) return;  // no keys: nothing written, the combine stops before it
-    const int64_t kv_width = int64_t(n_kv_heads) * HD;
-    const bf16 *kc = static_cast<const bf16 *>(keys.k_cache) + int64_t(kv_head) * HD;
-    const bf16 *vc = static_cast<const bf16 *>(keys.v_cache) + int64_t(kv_head) * HD;
-    constexpr int kVecsPerRow = HD / 8;  // 16-byte pieces per key row
-
-    // Chunk c of this split: keys [first(c), first(c) + n_keys(c)), first(c) = split * kTcKeys + c * stride.
-    const int64_t first0 = int64_t(split) * kTcKeys;
-    const int n_chunks = int((key_end - first0 + stride - 1) / stride);
-    auto n_keys_of = [&](int c) { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); };
-    // Threads j < kTcKeys: key j's block-table entry and position for chunk c, in registers (pend_*), then its
-    // slot into slot_s and its position into stage st (stage_keys).
-    int32_t pend_block = -1, pend_pos = 0;
-    int64_t pend_ring = 0;
-    auto load_keys = [&](int c) {
-        const int j = threadIdx.x;
-        pend_block = -1;
-        if (j < kTcKeys && c < n_chunks && j < n_keys_of(c)) {
-            pend_ring = key_ring(keys, first0 + c * stride + j);
-            pend_block = keys.block_table[pend_ring / keys.block_size];
-            pend_pos = keys.slot_positions[pend_ring];
-        }
-    };
-    auto stage_keys = [&](int st) {
-        const int j = threadIdx.x;
-        if (j < kTcKeys) {
-            const bool ok = pend_block >= 0;
-            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
-            kpos_stage(st)[j] = ok ? pend_pos : 0;
-        }
-    };
-    // Chunk c's K and V into stage st by cp.async (slot_s: its slots), zeros past the last key: every piece
-    // in flight at once. The caches were written before pdl_wait, so these coherent L2 reads see them.
-    auto stage_kv = [&](int st) {
-        bf16 *ks = k_stage(st), *vs = v_stage(st);
-        for (int i = threadIdx.x; i < kTcKeys * kVecsPerRow; i += kTcWarps * 32) {
-            const int j = i / kVecsPerRow, piece = i % kVecsPerRow;
-            const int64_t slot = slot_s[j];
-            const bool ok = slot >= 0;
-            cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
-            cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
-        }
-    };
+    ChunkStager<HD, kTcWarps * 32> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    const int n_chunks = cs.n_chunks;
     // Prologue: chunks 0 .. S - 2 staged (one cp.async group each, empty past the last chunk).
-    load_keys(0);
+    cs.load_keys(0);
 #pragma unroll
     for (int c = 0; c < S - 1; ++c) {
         if (c > 0) __syncthreads();  // chunk c - 1's copies have read slot_s
-        stage_keys(c);
-        load_keys(c + 1);
+        cs.stage_keys(kpos_stage(c));
+        cs.load_keys(c + 1);
         __syncthreads();  // slot_s written
-        if (c < n_chunks) stage_kv(c);
+        if (c < n_chunks) cs.stage_kv(k_stage(c), v_stage(c), c);
         cp_async_commit();
     }
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<S - 2>();  // this thread's copies of chunk i have landed
         __syncthreads();         // everyone's; and chunk i - 1 is consumed, its stage free; slot_s read
         const int c = i + S - 1, st = c % S;  // the chunk staged now, into chunk i - 1's stage
-        stage_keys(st);
-        load_keys(c + 1);
+        cs.stage_keys(kpos_stage(st));
+        cs.load_keys(c + 1);
         __syncthreads();  // slot_s written
-        if (c < n_chunks) stage_kv(st);
+        if (c < n_chunks) cs.stage_kv(k_stage(st), v_stage(st), c);
         cp_async_commit();
         if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
-        const int n_keys = n_keys_of(i);
+        const int n_keys = cs.n_keys_of(i);
         const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
         const int32_t *kpos_st = kpos_stage(i % S);
 
@@ -413,6 +428,281 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Eight-warp tensor-core path (head_dim 64 or 128): the same blocks, chunks and splits as attention_tc_kernel
+// (kv head, key split, 64 query vectors; chunks of 64 keys staged by cp.async), but the block's warps share
+// every chunk instead of owning 16 vectors each: for S = Q K^T warp w scores keys 8w .. 8w + 7 for all the
+// tile's vectors (Q from shared memory by ldmatrix), the chunk's row maxima and sums are merged across the
+// warps through shared memory (in warp order), P goes to shared memory as bf16, and for O += P V warp w owns
+// head dims w * HD/8 .. +HD/8 for all vectors. So a decode step's 4 vectors keep 8 warps busy (the 4-warp
+// kernel ran them on one warp: about 4 000 dependent instructions per chunk, 7-9 us on the H200), and a
+// verify's 64 vectors cost each warp a quarter of the mma. Every vector's sums are computed the same way
+// whichever vectors share its tile, so a row verified among 16 equals the row decoded alone, bit for bit.
+constexpr int kT8Warps = 8;
+constexpr int kT8KeysPerWarp = kTcKeys / kT8Warps;  // 8: one n8 tile of S
+constexpr int kT8MTiles = kTcVectors / 16;          // 4 m16 tiles of vectors
+constexpr int kT8PStride = kTcKeys + 8;             // bf16 per P row: 144 bytes, ldmatrix rows conflict-free
+
+template <int HD>
+__host__ __device__ constexpr size_t t8_smem_bytes() {
+    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t)                  // 2 stages, slots
+           + size_t(kTcVectors) * (HD + kTcPad) * sizeof(bf16)                   // Q tile
+           + size_t(kTcVectors) * kT8PStride * sizeof(bf16)                      // P tile
+           + 2 * size_t(kTcVectors) * kT8Warps * sizeof(float);                  // row max / sum per warp
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+// The m16n8k16 A fragment of the 16 x 16 bf16 tile at `tile` (rows `stride` elements apart) in shared memory.
+__device__ __forceinline__ void ldsm_a(const bf16 *tile, int stride, int lane, uint32_t a[4]) {
+    ldsm_x4(unsigned(__cvta_generic_to_shared(tile + (lane & 15) * stride + (lane >> 4) * 8)), a[0], a[1], a[2], a[3]);
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                              uint32_t &r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t &r0, uint32_t &r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr));
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kT8Warps * 32)
+attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
+                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                     PagedKeys keys, float *out_part, Split *ml_part) {
+    constexpr int S = 2;
+    // keys.fresh_keys >= 0: the first chunk's settled keys are staged before the wait (below).
+    const bool early = keys.fresh_keys >= 0;
+    pdl_launch_dependents();
+    if (!early) pdl_wait();
+    constexpr int kStride = HD + kTcPad;
+    constexpr int kSteps = HD / 16;                // k16 steps of Q K^T
+    constexpr int kDims = HD / kT8Warps;           // head dims per warp in O: 16 or 8
+    constexpr int kDimTiles = kDims / 8;           // its n8 tiles: 2 or 1
+    static_assert(kDimTiles == 1 || kDimTiles == 2, "head_dim 64 or 128");
+    constexpr int kThreads = kT8Warps * 32;
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
+    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
+    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
+    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());
+    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);          // [64 vectors][HD + pad]
+    bf16 *p_s = q_s + kTcVectors * kStride;                          // [64 vectors][64 + 8 keys]
+    float *max_s = reinterpret_cast<float *>(p_s + kTcVectors * kT8PStride);  // [64 vectors][8 warps]
+    float *sum_s = max_s + kTcVectors * kT8Warps;                              // [64 vectors][8 warps]
+
+    const int group = n_heads / n_kv_heads;
+    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, qd = lane & 3;
+    const int n_vec = nq * group;
+    const int vec_base = blockIdx.z * kTcVectors;
+    const int tile_vecs = min(kTcVectors, n_vec - vec_base);
+    const int m_tiles = (tile_vecs + 15) / 16;  // block-uniform
+
+    // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
+    const int64_t key_end = key_count(keys);
+    if (int64_t(split) * kTcKeys >= key_end) return;  // no keys: nothing written, the combine stops before it
+
+    constexpr int kPieces = HD / 8;
+    // Keys below `settled` were written before this chain began (keys.fresh_keys), the rest by its kernels.
+    const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
+    const int64_t settled = early ? key_end - fresh : key_end;
+    ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    const int n_chunks = cs.n_chunks;
+    // Prologue: chunk 0 staged; its settled keys before the wait when early (their slots and positions, and the
+    // block table, are settled too), the rest after it.
+    cs.load_keys(0);
+    cs.stage_keys(kpos_stage(0));
+    cs.load_keys(1);
+    __syncthreads();  // slot_s written
+    cs.stage_kv(k_stage(0), v_stage(0), 0, early ? 1 : 0, settled);
+    if (early) {
+        pdl_wait();  // the kernels before this one (the step's own keys, q) are done
+        if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
+    }
+    cp_async_commit();
+
+    // The tile's Q rows into shared memory (zeros past the last vector), 16 bytes per copy.
+    for (int i = threadIdx.x; i < kTcVectors * kPieces; i += kThreads) {
+        const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (vl < tile_vecs)
+            val = load_act16(q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD + piece * 8);
+        *reinterpret_cast<uint4 *>(q_s + vl * kStride + piece * 8) = val;
+    }
+    // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h).
+    int32_t qpos[kT8MTiles * 2];
+    bool vec_ok[kT8MTiles * 2];
+    float m[kT8MTiles * 2], l[kT8MTiles * 2];
+#pragma unroll
+    for (int i = 0; i < kT8MTiles * 2; ++i) {
+        const int vl = (i >> 1) * 16 + g + 8 * (i & 1);
+        vec_ok[i] = vl < tile_vecs;
+        qpos[i] = vec_ok[i] ? q_positions[(vec_base + vl) / group] : 0;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    float o[kT8MTiles][kDimTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kT8MTiles; ++mt)
+#pragma unroll
+        for (int t = 0; t < kDimTiles; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[mt][t][i] = 0.f;
+
+
+    const int key0 = warp * kT8KeysPerWarp;  // this warp's keys in S
+    for (int i = 0; i < n_chunks; ++i) {
+        cp_async_wait<0>();  // this thread's copies of chunk i have landed
+        __syncthreads();     // everyone's (and Q); chunk i - 1 consumed, its stage, P and the row buffers free
+        const int c = i + 1, st = c % S;
+        cs.stage_keys(kpos_stage(st));
+        cs.load_keys(c + 1);
+        __syncthreads();  // slot_s written
+        if (c < n_chunks) cs.stage_kv(k_stage(st), v_stage(st), c);
+        cp_async_commit();
+        const int n_keys = cs.n_keys_of(i);
+        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
+        const int32_t *kpos_st = kpos_stage(i % S);
+
+        // S = Q K^T for this warp's 8 keys, every m tile of vectors.
+        float sc[kT8MTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kT8MTiles; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+        const bf16 *krow = kst + (key0 + g) * kStride + 2 * qd;
+#pragma unroll
+        for (int kk = 0; kk < kSteps; ++kk) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t *>(krow + kk * 16);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t *>(krow + kk * 16 + 8);
+#pragma unroll
+            for (int mt = 0; mt < kT8MTiles; ++mt) {
+                if (mt >= m_tiles) break;
+                uint32_t a[4];
+                ldsm_a(q_s + mt * 16 * kStride + kk * 16, kStride, lane, a);
+                mma_bf16_16816(sc[mt], a[0], a[1], a[2], a[3], b0, b1);
+            }
+        }
+        // Mask and scale; each vector's maximum over this warp's 8 keys (c0, c1: row g, keys key0 + 2qd (+1);
+        // c2, c3: row g + 8), to max_s.
+#pragma unroll
+        for (int mt = 0; mt < kT8MTiles; ++mt) {
+            if (mt >= m_tiles) break;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = key0 + 2 * qd + e;
+                    const int vi = mt * 2 + h;
+                    const bool ok = vec_ok[vi] && j < n_keys && visible(qpos[vi], kpos_st[j], causal, window);
+                    float &s = sc[mt][2 * h + e];
+                    s = ok ? s * scale : -INFINITY;
+                    mx = fmaxf(mx, s);
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                if (qd == 0) max_s[(mt * 16 + g + 8 * h) * kT8Warps + warp] = mx;
+            }
+        }
+        __syncthreads();  // every warp's maxima
+        // The chunk's maximum per vector (over the warps, exact), the new running max and the correction; P
+        // (bf16) and each vector's sum over this warp's keys, to p_s and sum_s.
+        float corr[kT8MTiles * 2];
+#pragma unroll
+        for (int mt = 0; mt < kT8MTiles; ++mt) {
+            if (mt >= m_tiles) break;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int vi = mt * 2 + h, vl = mt * 16 + g + 8 * h;
+                const float4 x0 = *reinterpret_cast<const float4 *>(max_s + vl * kT8Warps);
+                const float4 x1 = *reinterpret_cast<const float4 *>(max_s + vl * kT8Warps + 4);
+                const float cmax = fmaxf(fmaxf(fmaxf(x0.x, x0.y), fmaxf(x0.z, x0.w)),
+                                         fmaxf(fmaxf(x1.x, x1.y), fmaxf(x1.z, x1.w)));
+                const float new_m = fmaxf(m[vi], cmax);
+                corr[vi] = new_m == -INFINITY || m[vi] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
+                                                                    : __expf(m[vi] - new_m);
+                m[vi] = new_m;
+                const float s0 = sc[mt][2 * h], s1 = sc[mt][2 * h + 1];
+                const float p0 = s0 == -INFINITY ? 0.f : __expf(s0 - new_m);
+                const float p1 = s1 == -INFINITY ? 0.f : __expf(s1 - new_m);
+                *reinterpret_cast<uint32_t *>(p_s + vl * kT8PStride + key0 + 2 * qd) = pack_bf16(p0, p1);
+                float ps = p0 + p1;
+                ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+                ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+                if (qd == 0) sum_s[vl * kT8Warps + warp] = ps;
+            }
+        }
+        __syncthreads();  // P and the sums
+#pragma unroll
+        for (int mt = 0; mt < kT8MTiles; ++mt) {
+            if (mt >= m_tiles) break;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int vi = mt * 2 + h, vl = mt * 16 + g + 8 * h;
+                if (warp == 0) {  // l is only written by warp 0
+                    const float4 y0 = *reinterpret_cast<const float4 *>(sum_s + vl * kT8Warps);
+                    const float4 y1 = *reinterpret_cast<const float4 *>(sum_s + vl * kT8Warps + 4);
+                    l[vi] = l[vi] * corr[vi] + ((((((y0.x + y0.y) + y0.z) + y0.w) + y1.x) + y1.y) + y1.z) + y1.w;
+                }
+#pragma unroll
+                for (int t = 0; t < kDimTiles; ++t) {
+                    o[mt][t][2 * h] *= corr[vi];
+                    o[mt][t][2 * h + 1] *= corr[vi];
+                }
+            }
+        }
+        // O += P V for this warp's head dims: k16 steps over the chunk's keys; V by ldmatrix.trans.
+        const int d0 = warp * kDims;
+#pragma unroll
+        for (int ks = 0; ks < kTcKeys / 16; ++ks) {
+            uint32_t b[2][2];
+            const bf16 *vrow = vst + (ks * 16 + (lane & 15)) * kStride + d0;
+            if constexpr (kDimTiles == 2)
+                ldsm_x4_trans(unsigned(__cvta_generic_to_shared(vrow + (lane >> 4) * 8)), b[0][0], b[0][1], b[1][0],
+                              b[1][1]);
+            else
+                ldsm_x2_trans(unsigned(__cvta_generic_to_shared(vrow)), b[0][0], b[0][1]);
+#pragma unroll
+            for (int mt = 0; mt < kT8MTiles; ++mt) {
+                if (mt >= m_tiles) break;
+                uint32_t a[4];
+                ldsm_a(p_s + mt * 16 * kT8PStride + ks * 16, kT8PStride, lane, a);
+#pragma unroll
+                for (int t = 0; t < kDimTiles; ++t) mma_bf16_16816(o[mt][t], a[0], a[1], a[2], a[3], b[t][0], b[t][1]);
+            }
+        }
+    }
+
+    // This warp's head dims of every vector; warp 0 the running max and sum.
+#pragma unroll
+    for (int mt = 0; mt < kT8MTiles; ++mt) {
+        if (mt >= m_tiles) break;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int vi = mt * 2 + h;
+            if (!vec_ok[vi]) continue;
+            const int v = vec_base + mt * 16 + g + 8 * h;
+            const int row = v / group, head = kv_head * group + v % group;
+            const int64_t idx = (int64_t(split) * nq + row) * n_heads + head;
+#pragma unroll
+            for (int t = 0; t < kDimTiles; ++t)
+                *reinterpret_cast<float2 *>(out_part + idx * HD + warp * kDims + t * 8 + 2 * qd) =
+                    make_float2(o[mt][t][2 * h], o[mt][t][2 * h + 1]);
+            if (warp == 0 && qd == 0) ml_part[idx] = Split{m[vi], l[vi]};
+        }
+    }
+}
+
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
@@ -423,25 +713,32 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
     pdl_prologue();
-    __shared__ float weight_s[kMaxSplits];
+    __shared__ float weight_s[kMaxSplits], l_s[kMaxSplits];
     __shared__ float scratch[32];
     const int splits = int(min(int64_t(grid_splits), (key_count(keys) + chunk_keys - 1) / chunk_keys));
     const int64_t idx = blockIdx.x;  // row * n_heads + head
     const int64_t stride = int64_t(nq) * n_heads;
+    // The split records read once (one global round trip), the maximum over the block, then each split's
+    // weight exp(m_s - max); the total sum in split order by every thread (from shared memory), so the
+    // output dims' loads are the only other round trip.
     float best = -INFINITY;
-    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) best = fmaxf(best, ml_part[sp * stride + idx].m);
-    best = block_max(best, scratch);
-    float total = 0.f;
     for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
         const Split part = ml_part[sp * stride + idx];
-        const float wgt = part.m == -INFINITY ? 0.f : __expf(part.m - best);
-        weight_s[sp] = wgt;
-        total += part.l * wgt;
+        weight_s[sp] = part.m;
+        l_s[sp] = part.l;
+        best = fmaxf(best, part.m);
     }
-    total = block_sum(total, scratch);  // its barriers also publish weight_s
+    best = block_max(best, scratch);  // its barriers also publish weight_s and l_s
+    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
+        const float m = weight_s[sp];
+        weight_s[sp] = m == -INFINITY ? 0.f : __expf(m - best);
+    }
+    __syncthreads();
+    float total = 0.f;
+    for (int sp = 0; sp < splits; ++sp) total = fmaf(l_s[sp], weight_s[sp], total);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-#pragma unroll 4
+#pragma unroll 16
         for (int sp = 0; sp < splits; ++sp)
             acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
@@ -543,6 +840,34 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
+// The eight-warp tensor-core kernel (attention_tc8_kernel) unless DFLASH_ATTN_WARPS=4 (the four-warp one). Read once.
+bool tc8_enabled() {
+    static const bool on = [] {
+        const char *v = std::getenv("DFLASH_ATTN_WARPS");
+        if (!v || !*v || std::string(v) == "8") return true;
+        if (std::string(v) == "4") return false;
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_WARPS=", v, " (4 or 8)");
+    }();
+    return on;
+}
+
+// Its shared-memory opt-in, once per process (for the device current then). Returns whether it fits (99 KB,
+// sm_86 and sm_89's limit, does not: they take the four-warp kernel, for every call alike).
+bool allow_tc8_smem() {
+    static const bool fits = [] {
+        int device = 0, optin = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        if (t8_smem_bytes<128>() > size_t(optin)) return false;
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attention_tc8_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(t8_smem_bytes<128>())));
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(attention_tc8_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(t8_smem_bytes<64>())));
+        return true;
+    }();
+    return fits;
+}
+
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
            kKeysPerChunk * sizeof(int32_t);
@@ -580,7 +905,17 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     // Split records after the partial outputs, 8-byte aligned.
     auto *ml_part = reinterpret_cast<Split *>(
         (reinterpret_cast<uintptr_t>(out_part + parts * size_t(head_dim)) + 7) & ~uintptr_t(7));
-    if (tc) {
+    if (tc && tc8_enabled() && allow_tc8_smem()) {
+        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
+        auto go = [&](auto kernel, size_t smem) {
+            launch(kernel, grid, kT8Warps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
+                   int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
+        };
+        if (head_dim == 128)
+            go(attention_tc8_kernel<128>, t8_smem_bytes<128>());
+        else
+            go(attention_tc8_kernel<64>, t8_smem_bytes<64>());
+    } else if (tc) {
         const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         // 3 stages where a split may read 3 chunks or more (by the ring's capacity, never the key count),
         // else 2: the stage count changes when bytes arrive, never the sums.

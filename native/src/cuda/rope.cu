@@ -39,11 +39,33 @@ __global__ void rope_kernel(bf16 *x, int heads, int head_dim, int64_t ld, const 
 constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 constexpr int kWarpsPerBlock = 4;
 
-// One head of head_dim at v (this warp): the norm with w (skipped when null), then the rotation,
-// in place; the result also goes to `copy` when it is not null (a k head into its cache slot).
-__device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16 *w, float eps, float pos,
-                                               const float *inv_freq, float attention_factor, bf16 *copy,
-                                               int lane) {
+// What a lane of norm_rope_head needs besides the head: its pairs' rotations and norm weights. They depend only
+// on the position, inv_freq and the norm weight, which no kernel of the step writes (the positions come with
+// the step's upload), so the kernels below compute them before pdl_wait, off the step's critical path.
+struct LaneRope {
+    float cs[kMaxPairsPerLane], sn[kMaxPairsPerLane], wa[kMaxPairsPerLane], wb[kMaxPairsPerLane];
+};
+__device__ __forceinline__ LaneRope lane_rope(int head_dim, const bf16 *w, float pos, const float *inv_freq,
+                                              float attention_factor, int lane) {
+    const int half = head_dim / 2;
+    LaneRope r;
+#pragma unroll
+    for (int i = 0; i < kMaxPairsPerLane; ++i) {
+        const int j = lane + 32 * i;
+        r.cs[i] = r.sn[i] = r.wa[i] = r.wb[i] = 0.f;
+        if (j >= half) continue;
+        sincosf(pos * inv_freq[j], &r.sn[i], &r.cs[i]);
+        r.cs[i] *= attention_factor;
+        r.sn[i] *= attention_factor;
+        if (w) r.wa[i] = to_float(w[j]), r.wb[i] = to_float(w[j + half]);
+    }
+    return r;
+}
+
+// One head of head_dim at v (this warp): the norm (skipped when `norm` is false; its weights in r), then
+// the rotation, in place; the result also goes to `copy` when it is not null (a k head into its cache slot).
+__device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, bool norm, float eps, const LaneRope &r,
+                                               bf16 *copy, int lane) {
     const int half = head_dim / 2;
     float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
     float ss = 0.f;
@@ -54,14 +76,14 @@ __device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16
         b[i] = j < half ? to_float(v[j + half]) : 0.f;
         ss += a[i] * a[i] + b[i] * b[i];
     }
-    if (w) {
+    if (norm) {
         const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
 #pragma unroll
         for (int i = 0; i < kMaxPairsPerLane; ++i) {
             const int j = lane + 32 * i;
             if (j < half) {
-                a[i] = to_float(to_bf16(to_float(w[j]) * (a[i] * inv)));
-                b[i] = to_float(to_bf16(to_float(w[j + half]) * (b[i] * inv)));
+                a[i] = to_float(to_bf16(r.wa[i] * (a[i] * inv)));
+                b[i] = to_float(to_bf16(r.wb[i] * (b[i] * inv)));
             }
         }
     }
@@ -69,11 +91,7 @@ __device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16
     for (int i = 0; i < kMaxPairsPerLane; ++i) {
         const int j = lane + 32 * i;
         if (j >= half) break;
-        float sn, cs;
-        sincosf(pos * inv_freq[j], &sn, &cs);
-        cs *= attention_factor;
-        sn *= attention_factor;
-        const bf16 lo = to_bf16(a[i] * cs - b[i] * sn), hi = to_bf16(b[i] * cs + a[i] * sn);
+        const bf16 lo = to_bf16(a[i] * r.cs[i] - b[i] * r.sn[i]), hi = to_bf16(b[i] * r.cs[i] + a[i] * r.sn[i]);
         v[j] = lo;
         v[j + half] = hi;
         if (copy) {
@@ -86,12 +104,16 @@ __device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, const bf16
 __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
                                       const bf16 *w, float eps, const int32_t *positions,
                                       const float *inv_freq, float attention_factor) {
-    pdl_prologue();
+    pdl_launch_dependents();
     const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-    if (item >= rows * heads) return;
-    const int64_t row = item / heads;
-    norm_rope_head(x + row * ld + (item % heads) * head_dim, head_dim, w, eps, float(positions[row]), inv_freq,
-                   attention_factor, nullptr, threadIdx.x & 31);
+    const int lane = threadIdx.x & 31;
+    const bool ok = item < rows * heads;
+    const int64_t row = ok ? item / heads : 0;
+    LaneRope r{};
+    if (ok) r = lane_rope(head_dim, w, float(positions[row]), inv_freq, attention_factor, lane);
+    pdl_wait();
+    if (!ok) return;
+    norm_rope_head(x + row * ld + (item % heads) * head_dim, head_dim, w != nullptr, eps, r, nullptr, lane);
 }
 
 // One warp per (row, head), heads of a row counted q, then k, then v: q heads normed and rotated
@@ -102,22 +124,27 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
                                            const int32_t *positions, const float *inv_freq,
                                            float attention_factor, const int32_t *slots, bf16 *k_cache,
                                            bf16 *v_cache) {
-    pdl_prologue();
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, per_row = heads + 2 * kv_heads;
     const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-    if (item >= rows * per_row) return;
-    const int64_t row = item / per_row;
-    const int h = int(item % per_row);
-    const float pos = float(positions[row]);
+    const bool ok = item < rows * per_row;
+    const int64_t row = ok ? item / per_row : 0;
+    const int h = ok ? int(item % per_row) : 0;
+    const bf16 *w = h < heads ? q_norm : k_norm;
+    LaneRope r{};
+    int64_t slot = 0;
+    if (ok && h < heads + kv_heads) r = lane_rope(head_dim, w, float(positions[row]), inv_freq, attention_factor, lane);
+    if (ok && h >= heads) slot = slots[row];  // the step's upload too
+    pdl_wait();
+    if (!ok) return;
     if (h < heads) {
-        norm_rope_head(q + row * ldq + int64_t(h) * head_dim, head_dim, q_norm, eps, pos, inv_freq,
-                       attention_factor, nullptr, lane);
+        norm_rope_head(q + row * ldq + int64_t(h) * head_dim, head_dim, q_norm != nullptr, eps, r, nullptr, lane);
         return;
     }
     bf16 *src = kv + row * ldkv + int64_t(h - heads) * head_dim;  // k heads, then v heads
-    const int64_t kv_width = int64_t(kv_heads) * head_dim, slot = slots[row];
+    const int64_t kv_width = int64_t(kv_heads) * head_dim;
     if (h < heads + kv_heads) {
-        norm_rope_head(src, head_dim, k_norm, eps, pos, inv_freq, attention_factor,
+        norm_rope_head(src, head_dim, k_norm != nullptr, eps, r,
                        k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
         return;
     }
