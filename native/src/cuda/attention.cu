@@ -399,9 +399,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
                 const uint32_t addr = static_cast<uint32_t>(
                     __cvta_generic_to_shared(vst + key * kStride + t * 8));
                 uint32_t b0, b1;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                             : "=r"(b0), "=r"(b1)
-                             : "r"(addr));
+                ldmatrix_x2_trans(addr, b0, b1);
                 mma_bf16_16816(o[t], a0, a1, a2, a3, b0, b1);
             }
         }
@@ -451,25 +449,9 @@ __host__ __device__ constexpr size_t t8_smem_bytes() {
            + 2 * size_t(kTcVectors) * kT8Warps * sizeof(float);                  // row max / sum per warp
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
 // The m16n8k16 A fragment of the 16 x 16 bf16 tile at `tile` (rows `stride` elements apart) in shared memory.
 __device__ __forceinline__ void ldsm_a(const bf16 *tile, int stride, int lane, uint32_t a[4]) {
-    ldsm_x4(unsigned(__cvta_generic_to_shared(tile + (lane & 15) * stride + (lane >> 4) * 8)), a[0], a[1], a[2], a[3]);
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
-                                              uint32_t &r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t addr, uint32_t &r0, uint32_t &r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(addr));
+    ldmatrix_x4(unsigned(__cvta_generic_to_shared(tile + (lane & 15) * stride + (lane >> 4) * 8)), a[0], a[1], a[2], a[3]);
 }
 
 template <int HD>
@@ -668,10 +650,10 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             uint32_t b[2][2];
             const bf16 *vrow = vst + (ks * 16 + (lane & 15)) * kStride + d0;
             if constexpr (kDimTiles == 2)
-                ldsm_x4_trans(unsigned(__cvta_generic_to_shared(vrow + (lane >> 4) * 8)), b[0][0], b[0][1], b[1][0],
+                ldmatrix_x4_trans(unsigned(__cvta_generic_to_shared(vrow + (lane >> 4) * 8)), b[0][0], b[0][1], b[1][0],
                               b[1][1]);
             else
-                ldsm_x2_trans(unsigned(__cvta_generic_to_shared(vrow)), b[0][0], b[0][1]);
+                ldmatrix_x2_trans(unsigned(__cvta_generic_to_shared(vrow)), b[0][0], b[0][1]);
 #pragma unroll
             for (int mt = 0; mt < kT8MTiles; ++mt) {
                 if (mt >= m_tiles) break;
@@ -905,33 +887,30 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     // Split records after the partial outputs, 8-byte aligned.
     auto *ml_part = reinterpret_cast<Split *>(
         (reinterpret_cast<uintptr_t>(out_part + parts * size_t(head_dim)) + 7) & ~uintptr_t(7));
+    const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
+    // The tensor-core kernels' launch (the same arguments; kernel, threads and shared memory differ).
+    auto go = [&](auto kernel, int threads, size_t smem) {
+        launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
+               mask.causal, mask.window, keys, out_part, ml_part);
+    };
     if (tc && tc8_enabled() && allow_tc8_smem()) {
-        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
-        auto go = [&](auto kernel, size_t smem) {
-            launch(kernel, grid, kT8Warps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
-                   int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
-        };
         if (head_dim == 128)
-            go(attention_tc8_kernel<128>, t8_smem_bytes<128>());
+            go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
         else
-            go(attention_tc8_kernel<64>, t8_smem_bytes<64>());
+            go(attention_tc8_kernel<64>, kT8Warps * 32, t8_smem_bytes<64>());
     } else if (tc) {
-        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         // 3 stages where a split may read 3 chunks or more (by the ring's capacity, never the key count),
         // else 2: the stage count changes when bytes arrive, never the sums.
         const int64_t chunks = (capacity(keys) + kTcKeys - 1) / kTcKeys;
         const bool fits3 = allow_tc_smem(head_dim);  // sets the shared-memory opt-ins (first call)
         const bool deep = (chunks + p.splits - 1) / p.splits >= 3 && fits3;
-        auto go = [&](auto kernel, size_t smem) {
-            launch(kernel, grid, kTcWarps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads),
-                   int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part);
-        };
+        constexpr int kThreads = kTcWarps * 32;
         if (head_dim == 128)
-            deep ? go(attention_tc_kernel<128, 3>, tc_smem_bytes<128, 3>())
-                 : go(attention_tc_kernel<128, 2>, tc_smem_bytes<128, 2>());
+            deep ? go(attention_tc_kernel<128, 3>, kThreads, tc_smem_bytes<128, 3>())
+                 : go(attention_tc_kernel<128, 2>, kThreads, tc_smem_bytes<128, 2>());
         else
-            deep ? go(attention_tc_kernel<64, 3>, tc_smem_bytes<64, 3>())
-                 : go(attention_tc_kernel<64, 2>, tc_smem_bytes<64, 2>());
+            deep ? go(attention_tc_kernel<64, 3>, kThreads, tc_smem_bytes<64, 3>())
+                 : go(attention_tc_kernel<64, 2>, kThreads, tc_smem_bytes<64, 2>());
     } else {
         const size_t smem = smem_bytes(head_dim);
         static bool raised = false;  // the opt-in for more than 48 KB of dynamic shared memory
@@ -941,7 +920,6 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
                                                    int(smem_bytes(kMaxHeadDim))));
             raised = true;
         }
-        const dim3 grid(unsigned(n_kv_heads), unsigned(p.splits), unsigned(p.q_tiles));
         launch(attention_split_kernel, grid, kWarps * 32, smem, s,
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);

@@ -35,14 +35,6 @@ static_assert(kBM * 64 * 4 <= kWideSmem, "the SwiGLU exchange fits in the ring")
 // Byte offset of 16-byte piece p (k = 8p .. 8p + 7) of row r in a tile of 128-byte rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int p) { return uint32_t(r * 128 + ((p ^ (r & 7)) << 4)); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
-                                            uint32_t &r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-
 // SWIGLU: w is the fused [gate; up] weight (N = 2 * pair); a block's 128 weight rows are gate rows
 // [64 c, 64 c + 64) and the same up rows (pair later), and it stores silu(gate) * up for its 64
 // columns, each rounded to bf16 first (as the small-M kernels and gemm + swiglu round them).
