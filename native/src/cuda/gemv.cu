@@ -238,84 +238,70 @@ __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64
     }
 }
 
-// The end of both kernels: the per-slice sums go through shared memory `red` ([KS][16][block
-// cols] floats), are added in slice order 0..KS-1, and are stored (accumulate: added to y; kStats:
-// and each row's sum of squares of the stored values per 16 columns, a half-warp butterfly),
-// finished as logits, or reduced to per-block argmax partials. kNorm: scaled by the row's factor
-// first (row_scale, in shared memory).
-template <int KS, Epilogue E, int FUSE = kPlain>
-__device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
-                                            float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
-                                            float multiplier, float softcap, float *logits_out,
-                                            ArgmaxPartial *partial, int64_t pair = 0,
-                                            const float *row_scale = nullptr, bool accumulate = false,
-                                            float *ss_out = nullptr) {
-    constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
-    static_assert(kBlockCols % 16 == 0 && kTileM * kBlockCols % (kWarps * 32) == 0,
-                  "ss_out's 16-column parts are aligned half-warps, and every thread runs every pass");
-    auto at = [&](int sl, int r, int cc) -> float & { return red[(sl * kTileM + r) * kBlockCols + cc]; };
+// The end of both kernels, in two parts. stash_partials: each warp's per-slice sums into shared memory
+// `red` ([KS][16][block cols] floats). finish_pass (after every warp's stash is visible): the slices
+// added in order 0..KS-1 and stored (accumulate: added to y; kStats: and each row's sum of squares of
+// the stored values per 16 columns, a half-warp butterfly), finished as logits, or reduced to per-block
+// argmax partials; kNorm: scaled by the row's factor first (row_scale, in shared memory). finish_pass
+// only reads `red`, so a persistent block can run it for one column block while other warps stash the
+// next one elsewhere (gemm_stream_kernel's PERSIST). finish_tile: both, with a block barrier between.
+template <int KS>
+__device__ __forceinline__ float &red_at(float *red, int sl, int r, int cc) {
+    return red[(sl * kTileM + r) * WarpTile<KS>::kBlockCols + cc];
+}
+
+template <int KS>
+__device__ __forceinline__ void stash_partials(const WarpTile<KS> &wt, const float acc[kNt][4], float *red) {
     // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
 #pragma unroll
     for (int t = 0; t < kNt; ++t) {
         const int cc = wt.group * WarpTile<KS>::kCols + t * 8 + 2 * wt.q;
-        at(wt.slice, wt.g, cc) = acc[t][0];
-        at(wt.slice, wt.g, cc + 1) = acc[t][1];
-        at(wt.slice, wt.g + 8, cc) = acc[t][2];
-        at(wt.slice, wt.g + 8, cc + 1) = acc[t][3];
+        red_at<KS>(red, wt.slice, wt.g, cc) = acc[t][0];
+        red_at<KS>(red, wt.slice, wt.g, cc + 1) = acc[t][1];
+        red_at<KS>(red, wt.slice, wt.g + 8, cc) = acc[t][2];
+        red_at<KS>(red, wt.slice, wt.g + 8, cc + 1) = acc[t][3];
     }
-    __syncthreads();
+}
 
-    // Final values: slices summed in order 0..KS-1; slice 0 then holds them.
-    for (int i = threadIdx.x; i < kTileM * kBlockCols; i += kWarps * 32) {
-        const int r = i / kBlockCols, cc = i % kBlockCols;
-        float v = at(0, r, cc);
+// col_block: the column block whose partials `red` holds; m0 its row tile's first row.
+template <int KS, Epilogue E, int FUSE = kPlain>
+__device__ __forceinline__ void finish_pass(int64_t m0, int64_t col_block, int64_t col_blocks, float *red,
+                                            int64_t M, int64_t N, bf16 *y, int64_t ldy, float multiplier,
+                                            float softcap, float *logits_out, ArgmaxPartial *partial,
+                                            int64_t pair, const float *row_scale, bool accumulate,
+                                            float *ss_out) {
+    constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    static_assert(kBlockCols % 16 == 0 && kTileM * kBlockCols % (kWarps * 32) == 0,
+                  "ss_out's 16-column parts are aligned half-warps, and every thread runs every pass");
+    // A value: the slices in order 0..KS-1, then the row's norm factor (kNorm).
+    auto value = [&](int r, int cc) {
+        float v = red_at<KS>(red, 0, r, cc);
 #pragma unroll
-        for (int sl = 1; sl < KS; ++sl) v += at(sl, r, cc);
+        for (int sl = 1; sl < KS; ++sl) v += red_at<KS>(red, sl, r, cc);
         if constexpr (FUSE == kNorm) v *= row_scale[r];
-        const int64_t m = wt.m0 + r, n = wt.col_block * kBlockCols + cc;
-        if constexpr (E == Epilogue::Store) {
-            float stored = 0.f;
-            if (!(kExp & kExpNoStore) && m < M && n < N) {
-                bf16 &out = y[m * ldy + n];
-                const bf16 o = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
-                out = o;
-                stored = to_float(o);
-            }
-            if constexpr (FUSE == kStats && !(kExp & kExpNoStats)) {  // the 16 lanes of a part hold one row's 16 columns
-                float sq = stored * stored;
-#pragma unroll
-                for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-                if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts(N) + n / 16] = sq;
-            }
-        } else if constexpr (E == Epilogue::Logits) {
-            if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
-        } else if constexpr (E == Epilogue::SwiGLU) {
-            at(0, r, cc) = v;
-        } else {
-            at(0, r, cc) = finish_logit(v, multiplier, softcap);
-        }
-    }
+        return v;
+    };
+    // Only the rows < M are stored; whole passes of the block's threads (the butterflies need every lane).
+    constexpr int kThreads = kWarps * 32;
+    const int rows = int(M - m0 < kTileM ? M - m0 : int64_t(kTileM));
     if constexpr (E == Epilogue::SwiGLU) {
-        __syncthreads();
         constexpr int kHalf = kBlockCols / 2;  // gate columns cc, their up columns cc + kHalf
-        for (int i = threadIdx.x; i < kTileM * kHalf; i += kWarps * 32) {
+        for (int i = threadIdx.x; i < rows * kHalf; i += kThreads) {
             const int r = i / kHalf, cc = i % kHalf;
-            const int64_t m = wt.m0 + r, n = wt.col_block * kHalf + cc;
-            if (m < M && n < pair)
-                y[m * ldy + n] = to_bf16(swiglu_value(to_float(to_bf16(at(0, r, cc))),
-                                                      to_float(to_bf16(at(0, r, cc + kHalf)))));
+            const int64_t m = m0 + r, n = col_block * kHalf + cc;
+            if (n < pair)
+                y[m * ldy + n] = to_bf16(swiglu_value(to_float(to_bf16(value(r, cc))),
+                                                      to_float(to_bf16(value(r, cc + kHalf)))));
         }
-    }
-    if constexpr (E == Epilogue::Argmax) {
-        __syncthreads();
+    } else if constexpr (E == Epilogue::Argmax) {
         // One warp per row: lanes scan columns lane, lane+32, ... (increasing), then a butterfly
         // that keeps the lowest index on ties (torch.argmax).
-        for (int r = wt.warp; r < kTileM; r += kWarps) {
-            if (wt.m0 + r >= M) continue;
+        const int lane = threadIdx.x & 31;
+        for (int r = threadIdx.x >> 5; r < rows; r += kWarps) {
             ArgmaxPartial b{-INFINITY, INT32_MAX};
-            for (int cc = wt.lane; cc < kBlockCols; cc += 32) {
-                const int64_t n = wt.col_block * kBlockCols + cc;
-                const float v = at(0, r, cc);
+            for (int cc = lane; cc < kBlockCols; cc += 32) {
+                const int64_t n = col_block * kBlockCols + cc;
+                const float v = finish_logit(value(r, cc), multiplier, softcap);
                 if (n < N && (v > b.value || b.index == INT32_MAX)) b = {v, int32_t(n)};
             }
 #pragma unroll
@@ -326,9 +312,47 @@ __device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float 
                     (b.index == INT32_MAX || ov > b.value || (ov == b.value && oi < b.index)))
                     b = {ov, oi};
             }
-            if (wt.lane == 0) partial[(wt.m0 + r) * wt.col_blocks + wt.col_block] = b;
+            if (lane == 0) partial[(m0 + r) * col_blocks + col_block] = b;
+        }
+    } else {
+        const int passes = (rows * kBlockCols + kThreads - 1) / kThreads;
+        for (int p = 0; p < passes; ++p) {
+            const int i = threadIdx.x + p * kThreads;
+            const int r = i / kBlockCols, cc = i % kBlockCols;
+            const float v = value(r, cc);
+            const int64_t m = m0 + r, n = col_block * kBlockCols + cc;
+            if constexpr (E == Epilogue::Store) {
+                float stored = 0.f;
+                if (!(kExp & kExpNoStore) && m < M && n < N) {
+                    bf16 &out = y[m * ldy + n];
+                    const bf16 o = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                    out = o;
+                    stored = to_float(o);
+                }
+                if constexpr (FUSE == kStats && !(kExp & kExpNoStats)) {  // the 16 lanes of a part hold one row's 16 columns
+                    float sq = stored * stored;
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                    if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts(N) + n / 16] = sq;
+                }
+            } else {  // Logits
+                if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
+            }
         }
     }
+}
+
+template <int KS, Epilogue E, int FUSE = kPlain>
+__device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
+                                            float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
+                                            float multiplier, float softcap, float *logits_out,
+                                            ArgmaxPartial *partial, int64_t pair = 0,
+                                            const float *row_scale = nullptr, bool accumulate = false,
+                                            float *ss_out = nullptr) {
+    stash_partials<KS>(wt, acc, red);
+    __syncthreads();
+    finish_pass<KS, E, FUSE>(wt.m0, wt.col_block, wt.col_blocks, red, M, N, y, ldy, multiplier, softcap,
+                             logits_out, partial, pair, row_scale, accumulate, ss_out);
 }
 
 template <int KS>
@@ -336,11 +360,11 @@ __host__ __device__ constexpr size_t red_bytes() {
     return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float);
 }
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile (PERSIST: the
-// rings, then finish_tile's own).
+// rings, then two buffers of partials, taken by column blocks in turn).
 template <int KS, bool TILED, bool PERSIST = false>
 constexpr size_t stream_smem_bytes() {
     constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST>() * kStageBytes;
-    return PERSIST ? ring + red_bytes<KS>() : std::max(ring, red_bytes<KS>());
+    return PERSIST ? ring + 2 * red_bytes<KS>() : std::max(ring, red_bytes<KS>());
 }
 
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
@@ -409,6 +433,16 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // while this one's sums are finished.
     const int64_t my_tiles = PERSIST ? (col_blocks - 1 - int64_t(blockIdx.y)) / gridDim.y + 1 : 1;
     const int64_t total = my_tiles * n_chunks;
+    // PERSIST: column block t's partials go to buffer t % 2 (red + (t % 2) * red floats); full[b]
+    // completes when every thread has stashed into buffer b, empty[b] when every thread's finish_pass
+    // of it is done. A warp finishes column block t - 1 after stashing t, so no warp waits for another
+    // except one whole column block behind (the block barrier per column block this replaces stalled
+    // every warp's stream for the slowest: session 21 on the H200, gate/up 7 us per launch).
+    __shared__ uint64_t persist_bars[PERSIST ? 4 : 1];  // full[0], full[1], empty[0], empty[1]
+    if constexpr (PERSIST) {
+        if (threadIdx.x < 4) mbar_init(&persist_bars[threadIdx.x], kWarps * 32);
+        __syncthreads();
+    }
 
     // The warp's chunk sequence, filled in order (no division on the way): the next chunk to fill is chunk
     // fj of column block f_cb, into ring slot fs; f_col0 its first column.
@@ -491,7 +525,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
     float *row_scale = nullptr;
-    if constexpr (FUSE == kNorm) {  // read by finish_tile after its barrier
+    if constexpr (FUSE == kNorm) {  // read by finish_pass after a barrier (finish_tile's, or full[b])
         __shared__ float scales[kTileM];
         if constexpr (kExp & kExpNoRowScales) {
             if (threadIdx.x < kTileM) scales[threadIdx.x] = 1.f;
@@ -502,10 +536,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
-        if (PERSIST && t > 0) {
-            wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
-            __syncthreads();  // the previous column block's finish_tile is done with red
-        }
+        if (PERSIST && t > 0) wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
         float acc[kNt][4] = {};
         // One chunk: its weights from the ring (refilling the slot read last step) and its mma with x set
         // xc; the next x chunk due goes into xn (tiled: xc itself, after the mma; row-major: a fresh set,
@@ -556,14 +587,33 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                     for (int e = 0; e < 8; ++e) xa[r][e] = nx[r][e];
             }
         }
-        if constexpr (!PERSIST) {
+        if constexpr (kExp & kExpNoFinish) {  // keep the sums alive, store nothing real
+            if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
+            if (acc[0][0] == 1234.5f && acc[1][3] == -1234.5f && y) y[0] = to_bf16(acc[0][1]);
+        } else if constexpr (PERSIST) {
+            constexpr int64_t kRedFloats = int64_t(red_bytes<KS>() / sizeof(float));
+            const int b = int(t & 1);
+            float *mine = red + b * kRedFloats, *prev = red + (b ^ 1) * kRedFloats;
+            if (t >= 2) mbar_wait(&persist_bars[2 + b], unsigned(t - 2) >> 1 & 1u);  // column block t - 2's pass
+            stash_partials<KS>(wt, acc, mine);
+            mbar_arrive(&persist_bars[b]);
+            if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
+            if (t >= 1) {  // column block t - 1, whose partials every warp stashed one column block ago
+                mbar_wait(&persist_bars[b ^ 1], unsigned(t - 1) >> 1 & 1u);
+                finish_pass<KS, E, FUSE>(wt.m0, int64_t(blockIdx.y) + (t - 1) * gridDim.y, col_blocks, prev, M, N,
+                                         y, ldy, multiplier, softcap, logits_out, partial, pair, row_scale,
+                                         accumulate, ss_out);
+                mbar_arrive(&persist_bars[2 + (b ^ 1)]);
+            }
+            if (t + 1 == my_tiles) {  // the last column block: once every warp has stashed it
+                mbar_wait(&persist_bars[b], unsigned(t) >> 1 & 1u);
+                finish_pass<KS, E, FUSE>(wt.m0, wt.col_block, col_blocks, mine, M, N, y, ldy, multiplier, softcap,
+                                         logits_out, partial, pair, row_scale, accumulate, ss_out);
+            }
+        } else {
             cp_async_wait<0>();
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
-        }
-        if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
-        if constexpr (kExp & kExpNoFinish) {  // keep the sums alive, store nothing real
-            if (acc[0][0] == 1234.5f && acc[1][3] == -1234.5f && y) y[0] = to_bf16(acc[0][1]);
-        } else {
+            if (late_trigger) pdl_launch_dependents();
             finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
                                      row_scale, accumulate, ss_out);
         }
