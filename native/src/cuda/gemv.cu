@@ -230,8 +230,18 @@ __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64
     for (int r = warp; r < kTileM; r += kWarps) {
         const int64_t m = m0 + r;
         float sum = 0.f;
-        if (m < M)
-            for (int64_t p = lane; p < parts; p += 32) sum += load_act_f32(ss_in + m * parts + p);  // after pdl_wait
+        // after pdl_wait; eight loads in flight before their adds (one round trip per 256 parts: at K 4096
+        // the lane's whole share), added in the order p = lane, lane + 32, ...
+        constexpr int kBatch = 8;
+        for (int64_t p0 = lane; m < M && p0 < parts; p0 += 32 * kBatch) {
+            float v[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                v[i] = p0 + 32 * i < parts ? load_act_f32(ss_in + m * parts + p0 + 32 * i) : 0.f;
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                if (p0 + 32 * i < parts) sum += v[i];
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
