@@ -167,11 +167,19 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
                  : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // try_wait may suspend the thread a while; sm_80 polls
     asm volatile(
         "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         " @!done bra WAIT;\n}\n" ::"r"(unsigned(__cvta_generic_to_shared(bar))),
         "r"(parity)
         : "memory");
+#else
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT:\n mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT;\n}\n" ::"r"(unsigned(__cvta_generic_to_shared(bar))),
+        "r"(parity)
+        : "memory");
+#endif
 }
 
 // Programmatic dependent launch (sm_90+, on by default; DFLASH_PDL=0 turns it off; measured on the
