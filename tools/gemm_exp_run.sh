@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# gemm_exp_run.sh (on the device, after tools/gemm_exp_build.sh here and carry ["build/exp_carry"]): every
+# packed gemm_chain_bench variant over the chain at 1 and 16 rows and each GEMM alone, one line per run:
+#   variant | arguments | copy bandwidth, chain ms, TB/s, x floor, us per GEMM over the floor
+# e.g. tools/gpu_check.sh --only-ops --no-sanitizer --ops-args "--quick --filter gemm" --then "bash tools/gemm_exp_run.sh"
+set -u
+mkdir -p /tmp/gemm_exp && tar xzf build/exp_carry/bins.tar.gz -C /tmp/gemm_exp
+LOG=${OUT:-build}/gemm_exp.log
+for bin in /tmp/gemm_exp/gemm_chain_bench_*; do
+    v=${bin##*/gemm_chain_bench_}
+    for args in "--rows 1" "--rows 16" "--rows 1 --only qkv" "--rows 1 --only o_proj" "--rows 1 --only gate_up" \
+                "--rows 1 --only down" "--rows 16 --only gate_up"; do
+        r=$(timeout 60 "$bin" $args --iters 30 2>&1 | grep -E "^copy|FAIL|rror" | sed -E 's/copy bandwidth ([0-9.]+) TB.s; chain ([0-9.]+) ms = ([0-9.]+) TB.s = ([0-9.]+)x the floor \(([0-9.]+) ms\); ([0-9.-]+) us per GEMM over the floor/bw \1 chain \2 ms \3 TB\/s \4x floor \5 over \6 us/')
+        echo "$v | $args | $r" | tee -a "$LOG"
+    done
+done
