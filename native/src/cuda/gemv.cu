@@ -502,15 +502,21 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     // x rows: XRow's divergence-free loads when x is vectorized (every row-major launch); else load16.
     const XRow xr0(x, ldx, wt.m0 + wt.g, row0_ok, wt.m0), xr1(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.m0);
+    const bool x1_rows = wt.m0 + 8 < M;  // some row g + 8 of the tile is < M
     auto load_x = [&](int r, int64_t c0, uint32_t out[8]) {  // r: 0 = row g, 1 = row g + 8
         if constexpr (kExp & kExpNoX) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) out[e] = 0x3c003c00u + uint32_t(c0);
         } else if constexpr (XL == XLoad::Full)
             (r ? xr1 : xr0).load_full(c0, wt.q, out);
-        else if constexpr (XL == XLoad::Masked)
-            (r ? xr1 : xr0).load(c0, wt.q, K, out);
-        else
+        else if constexpr (XL == XLoad::Masked) {
+            if (TILED && r == 1 && !x1_rows) {  // tiled: rows g + 8 all past M (a decode step): zeros, no loads
+#pragma unroll
+                for (int e = 0; e < 8; ++e) out[e] = 0u;
+            } else {
+                (r ? xr1 : xr0).load(c0, wt.q, K, out);
+            }
+        } else
             load16<false>(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
     };
     // x is read in sequence order too, the same k chunks in every column block: xj is the next x chunk.
