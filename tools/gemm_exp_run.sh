@@ -6,10 +6,12 @@
 set -u
 mkdir -p /tmp/gemm_exp && tar xzf build/exp_carry/bins.tar.gz -C /tmp/gemm_exp
 LOG=${OUT:-build}/gemm_exp.log
+# GEMM_EXP_ARGS: the argument sets, ';'-separated (default below)
+DEFAULT_ARGS="--rows 1;--rows 16;--rows 1 --only qkv;--rows 1 --only o_proj;--rows 1 --only gate_up;--rows 1 --only down;--rows 16 --only gate_up"
 for bin in /tmp/gemm_exp/gemm_chain_bench_*; do
     v=${bin##*/gemm_chain_bench_}
-    for args in "--rows 1" "--rows 16" "--rows 1 --only qkv" "--rows 1 --only o_proj" "--rows 1 --only gate_up" \
-                "--rows 1 --only down" "--rows 16 --only gate_up"; do
+    IFS=';' read -r -a sets <<< "${GEMM_EXP_ARGS:-$DEFAULT_ARGS}"
+    for args in "${sets[@]}"; do
         r=$(timeout 60 "$bin" $args --iters 30 2>&1 | grep -E "^copy|FAIL|rror" | sed -E 's/copy bandwidth ([0-9.]+) TB.s; chain ([0-9.]+) ms = ([0-9.]+) TB.s = ([0-9.]+)x the floor \(([0-9.]+) ms\); ([0-9.-]+) us per GEMM over the floor/bw \1 chain \2 ms \3 TB\/s \4x floor \5 over \6 us/')
         echo "$v | $args | $r" | tee -a "$LOG"
     done
