@@ -1,0 +1,908 @@
+// gemv_kernels.cuh: the small-M GEMM family (M = block rows x batch), y[m, N] = x[m, K] . w[N, K]^T: its
+// kernels and their launch (launch_gemm), and what the family's TUs share.
+//
+// At batch 1 every step is bound by streaming the weights once, so the kernel is shaped around
+// the weight stream: tensor-core mma.sync m16n8k16 (bf16 in, fp32 accumulate) over a 16-row tile
+// of x, 64-wide k chunks. M = 1..16 is one tile (rows past M are zeros), so the weights are read
+// once per step whatever the block width.
+//
+// Two kernels, the same arithmetic: gemm_stream_kernel (16-byte aligned x and w, K % 8 == 0: every
+// real checkpoint) gives each warp a private ring of kStages chunks in shared memory, filled with
+// cp.async (L2 only, zero-filled past N and K), so the bytes in flight per SM are set by the ring,
+// not by registers (the register-fed kernel reached 3.2-3.5 TB/s on the H200, one 150-register
+// block per SM at the widest tiles); gemm_mma_kernel loads straight into registers and takes
+// every other layout. Both run the same mma sequence for the same tiling, so they agree bit for bit.
+// With tiled weights (backend.hpp's 16 x 64 tiles; the default, DFLASH_GEMM_TILED=0 keeps them
+// row-major) the ring-fed kernel reads each warp's share as one contiguous run; it keeps up to 128
+// registers and a 7-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots. Ring rows
+// are swizzled, not padded (ring_offset): session 16 on the H200, 7 chunks (persistent 6) against 6 (5) in
+// padded rows: verify 1.2%, propose 3% faster, decode the same.
+// A tiled launch of more than one wave of blocks runs persistent (PERSIST): one wave of blocks, each
+// streaming its column blocks' chunks as one sequence, so no block's ramp waits on another's end
+// (session 13 on the H200: verify 4.5%, propose 4-6% faster; DFLASH_GEMM_PERSIST=0 turns it off).
+//
+// The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
+// q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
+// feeds them to four mma steps; x is loaded with the same relabelling.
+//
+// Batch invariance (DESIGN §5): an output element is the same sequence of mma steps over the
+// same k chunks, then the same fixed-order sum over the warps that split K, whatever M is and
+// whichever rows share its tile (mma computes each row independently). How K is split (ks)
+// depends only on N, K and the device (SM count, resident blocks). So a row
+// verified among 16 gives the same bits as the same row decoded alone.
+//
+// Epilogues: bf16 store (GEMM), fp32 logits with multiplier/softcap, or a fused argmax that
+// never writes logits: per-block (value, index) partial maxima, then a small reduce kernel.
+//
+// A folded RMSNorm (FUSE kNorm, ring-fed kernels; Backend::folds_norms): x is the unnormed residual
+// stream and w's columns carry the norm's weight, so a row's product only needs its factor
+// rsqrt(mean(x^2) + eps). The sums of squares come from the GEMM that wrote x (the o_proj or down
+// before it, which accumulated into the residual stream): its Store epilogue sums each row's stored
+// values' squares per 16 columns (GemmFuse::ss_out, kStats), and this kernel adds those parts in a fixed
+// order before its k loop (row_scales), so its k loop is the plain one. A row's factor depends on
+// that row alone and on nothing M decides, so batch invariance holds. On by default
+// (DFLASH_FUSED_NORM=0 turns it off: cuda_backend.cu's folds_norms).
+//
+// The family in files, so that nvcc compiles its ~250 kernel instantiations in parallel (as one TU they
+// took two minutes): this header (everything device-side and the templates, in an anonymous namespace: each
+// TU instantiates what it uses); one TU per kernel family (an epilogue and a fuse mode), gemv_<family>.cu
+// (launch_<family>: launch_gemm<E, FUSE>, whose kernels are instantiated there and nowhere else;
+// setup_<family>: their shared memory limits and occupancy, for device_facts), the two SwiGLU families in
+// one TU (each alone compiles in half the time of the others); and gemv.cu (the host side: device facts,
+// tilings, the ops.cuh entries, each handing its call to its family's launch; the two small kernels).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "ops.cuh"
+
+// DFLASH_GEMM_EXP (timing experiments only, 0 in every real build): bits that strip features from the
+// ring-fed kernel so tools/gemm_chain_bench shows what each costs; results are then wrong.
+#ifndef DFLASH_GEMM_EXP
+#define DFLASH_GEMM_EXP 0
+#endif
+namespace dflash {
+namespace cuda {
+namespace {
+
+constexpr int kExp = DFLASH_GEMM_EXP;
+constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
+              kExpNoWait = 32;
+constexpr int kExpX2 = 64;  // not a strip: two x register sets where M > 8 instead of three (the sums unchanged)
+
+constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
+constexpr int kTileM = 16;    // rows per mma tile
+constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
+
+// SwiGLU (ring-fed kernel only): w is the fused [gate; up] weight (N = 2 * pair); half of a block's
+// column groups take gate columns, the other half the same up columns (pair later), and the block
+// stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
+enum class Epilogue { Store, Logits, Argmax, SwiGLU };
+
+// What a ring-fed kernel fuses (GemmFuse), a template argument so the plain kernels stay as they are:
+// kPlain (accumulate is a runtime flag), kNorm (a folded norm: ss_in), kStats (Store: ss_out, the
+// stored rows' sums of squares for the norming GEMM after it).
+constexpr int kPlain = 0, kNorm = 1, kStats = 2;
+
+struct ArgmaxPartial {
+    float value;
+    int32_t index;
+};
+
+constexpr int kNt = 2;        // n-tiles (8 columns each) per warp
+constexpr int kStages = 4;       // chunks per warp ring (gemm_stream_kernel, row-major weights)
+constexpr int kTiledStages = 7;  // the tiled kernel: 2 blocks per SM, so a deeper ring per warp
+// A persistent launch (tiled only) keeps finish_tile's sums apart from the ring, which then holds the
+// next column block's chunks: one chunk less, so two blocks still fit on an SM.
+constexpr int kPersistStages = kTiledStages - 1;
+template <bool TILED, bool PERSIST = false>
+__host__ __device__ constexpr int ring_stages() { return PERSIST ? kPersistStages : TILED ? kTiledStages : kStages; }
+constexpr int kRowBytes = kChunk * 2;               // a ring row: one chunk of a weight row, 8 pieces of 16 bytes
+constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
+// Where piece `part` of ring row r lies: swizzled (part ^ r % 8), so the 8 lanes of a quad member q, which
+// read rows g = 0..7 at the same pieces, hit 8 different bank groups, without padding the rows (the bytes
+// saved deepen the ring: more weight bytes in flight per SM).
+__device__ __forceinline__ int ring_offset(int r, int part) { return r * kRowBytes + ((part ^ (r & 7)) << 4); }
+
+__device__ __forceinline__ float finish_logit(float v, float multiplier, float softcap) {
+    v *= multiplier;
+    if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+    return v;
+}
+
+// The 16 bf16 lane-quad member q loads of row `row` in the 64-wide chunk at c0 (k = c0 + q*16
+// .. +15), as 8 words; zeros past K or for a row out of range. x and w use the same function, so
+// both see the same relabelling of k. (Measured on the H200: this layout with 2 chunks in flight
+// beat a split-halves layout (64 contiguous bytes per quad load) and 4 chunks in flight, by 1-5%.)
+// kWeights: base is a weight (read-only loads); else an activation (load_act16 / load_act_u16).
+template <bool kWeights>
+__device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row,
+                                       bool row_ok, int64_t c0, int q, int64_t K, bool vectorized,
+                                       uint32_t out[8]) {
+    const int64_t k_lo = c0 + q * 16, k_hi = k_lo + 8;
+    if (row_ok && vectorized && c0 + kChunk <= K) {
+        const bf16 *r = base + row * ld;
+        const uint4 v0 = kWeights ? __ldg(reinterpret_cast<const uint4 *>(r + k_lo)) : load_act16(r + k_lo);
+        const uint4 v1 = kWeights ? __ldg(reinterpret_cast<const uint4 *>(r + k_hi)) : load_act16(r + k_hi);
+        out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
+        out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
+        return;
+    }
+    const unsigned short *p = reinterpret_cast<const unsigned short *>(base + row * ld);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t k0 = (i < 4 ? k_lo : k_hi) + 2 * (i & 3);
+        uint32_t lo = 0u, hi = 0u;
+        if (row_ok && k0 < K) lo = kWeights ? uint32_t(__ldg(p + k0)) : load_act_u16(p + k0);
+        if (row_ok && k0 + 1 < K) hi = kWeights ? uint32_t(__ldg(p + k0 + 1)) : load_act_u16(p + k0 + 1);
+        out[i] = lo | (hi << 16);
+    }
+}
+
+// How the ring-fed kernel reads x: Element (load16's element path: any alignment), Masked (XRow:
+// 16-byte loads, rows past M and halves past K zeroed), Full (plain 16-byte loads: M % 16 == 0 and
+// K % 64 == 0, so nothing needs zeroing), Half (tiled, M <= 8: Masked loads of rows g only; rows g + 8
+// are zeros by construction, and the registers they would take hold x chunks further ahead). They read
+// the same values, so the sums are the same.
+enum class XLoad { Element, Masked, Full, Half };
+
+// A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
+// past M reads the tile's first row (valid whenever the block runs: M > m0) and is zeroed, and an
+// 8-element half past K (K % 8 == 0: halves are wholly in or out) reads the row's start and is
+// zeroed, so every lane takes the same 16-byte path (the rows past M of a 1-row decode step
+// otherwise send 7 of 8 lane groups down load16's element path).
+struct XRow {
+    const bf16 *row;  // the row, or row m0 for a row past M
+    uint32_t keep;    // all ones for a row < M
+    __device__ XRow(const bf16 *x, int64_t ldx, int64_t r, bool r_ok, int64_t m0)
+        : row(x + (r_ok ? r : m0) * ldx), keep(r_ok ? 0xffffffffu : 0u) {}
+    // Every row of the tile < M and every chunk whole (M % 16 == 0, K % 64 == 0): plain loads.
+    __device__ __forceinline__ void load_full(int64_t c0, int q, uint32_t out[8]) const {
+        const uint4 v0 = load_act16(row + c0 + q * 16);
+        const uint4 v1 = load_act16(row + c0 + q * 16 + 8);
+        out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
+        out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
+    }
+    __device__ __forceinline__ void load(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
+        const int64_t k0 = c0 + q * 16, k1 = k0 + 8;
+        const uint32_t keep0 = k0 < K ? keep : 0u, keep1 = k1 < K ? keep : 0u;
+        const uint4 v0 = load_act16(row + (k0 < K ? k0 : 0));
+        const uint4 v1 = load_act16(row + (k1 < K ? k1 : 0));
+        out[0] = v0.x & keep0, out[1] = v0.y & keep0, out[2] = v0.z & keep0, out[3] = v0.w & keep0;
+        out[4] = v1.x & keep1, out[5] = v1.y & keep1, out[6] = v1.z & keep1, out[7] = v1.w & keep1;
+    }
+};
+
+// Where a warp works: grid = (ceil(M / 16), column blocks); block = kWarps warps; warp = group *
+// KS + slice; a group owns kNt * 8 columns; a slice owns a contiguous run of k chunks. The row
+// tiles vary fastest, so a column block's row tiles (prefill: M / 16 of them) run side by side and
+// read its weights from DRAM once, the rest from L2 (x fastest is the launch order). A persistent
+// launch (gemm_stream_kernel's PERSIST) has fewer blocks than column blocks and moves each block
+// on to column block blockIdx.y + gridDim.y, ... (at()); the work of a column block is the same.
+template <int KS>
+struct WarpTile {
+    static constexpr int kGroups = kWarps / KS;
+    static constexpr int kCols = kNt * 8;                 // per group
+    static constexpr int kBlockCols = kGroups * kCols;
+    int lane, warp, group, slice, g, q;
+    int64_t m0, col_block, col_blocks, col0, c_begin, c_end;
+
+    __device__ WarpTile(int64_t K, int64_t blocks) {
+        lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        group = warp / KS, slice = warp % KS;
+        g = lane >> 2, q = lane & 3;
+        m0 = int64_t(blockIdx.x) * kTileM;
+        col_blocks = blocks;
+        at<false>(blockIdx.y, 0);
+        const int64_t chunks = (K + kChunk - 1) / kChunk;
+        const int64_t per_slice = (chunks + KS - 1) / KS;
+        c_begin = slice * per_slice, c_end = min(chunks, c_begin + per_slice);
+    }
+    // This warp's first column in column block cb. SWIGLU: groups [0, half) take gate columns, groups
+    // [half, 2 half) the same up columns (pair later).
+    template <bool SWIGLU>
+    __device__ int64_t col0_of(int64_t cb, int64_t pair) const {
+        if constexpr (SWIGLU) {
+            constexpr int kHalf = kGroups / 2;
+            const int64_t base = cb * kHalf * kCols;
+            return group < kHalf ? base + group * kCols : pair + base + (group - kHalf) * kCols;
+        } else {
+            return cb * kBlockCols + group * kCols;
+        }
+    }
+    template <bool SWIGLU>
+    __device__ void at(int64_t cb, int64_t pair) {
+        col_block = cb;
+        col0 = col0_of<SWIGLU>(cb, pair);
+    }
+};
+
+// One chunk of mma steps: acc[t] += x rows (x0: row g, x1: row g + 8) . weight n-tile t.
+__device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8],
+                                          const uint32_t x1[8], const uint32_t wb[kNt][8]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const uint32_t a[4] = {x0[2 * s], x1[2 * s], x0[2 * s + 1], x1[2 * s + 1]};
+#pragma unroll
+        for (int t = 0; t < kNt; ++t)
+            mma_bf16_16816(acc[t], a[0], a[1], a[2], a[3], wb[t][2 * s], wb[t][2 * s + 1]);
+    }
+}
+
+// A folded norm (kNorm) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
+// parts of 16 columns), not from its own k loop: summing them with two more mma per k step made the
+// q/k/v and gate/up GEMMs 13-14% slower on the H200 (session 14). row_scale: the tile's factors
+// rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly:
+// the same order for every row whatever M is); rows past M get 0 (never stored).
+__device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64_t M, int64_t K, float eps,
+                                           float *row_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t parts = ss_parts(K);
+    for (int r = warp; r < kTileM; r += kWarps) {
+        const int64_t m = m0 + r;
+        float sum = 0.f;
+        // after pdl_wait; eight loads in flight before their adds (one round trip per 256 parts: at K 4096
+        // the lane's whole share), added in the order p = lane, lane + 32, ...
+        constexpr int kBatch = 8;
+        for (int64_t p0 = lane; m < M && p0 < parts; p0 += 32 * kBatch) {
+            float v[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                v[i] = p0 + 32 * i < parts ? load_act_f32(ss_in + m * parts + p0 + 32 * i) : 0.f;
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                if (p0 + 32 * i < parts) sum += v[i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
+    }
+}
+
+// The end of both kernels, in two parts. stash_partials: each warp's per-slice sums into shared memory
+// `red` ([KS][16][block cols] floats). finish_pass (after every warp's stash is visible): the slices
+// added in order 0..KS-1 and stored (accumulate: added to y; kStats: and each row's sum of squares of
+// the stored values per 16 columns, a half-warp butterfly), finished as logits, or reduced to per-block
+// argmax partials; kNorm: scaled by the row's factor first (row_scale, in shared memory). finish_pass
+// only reads `red`, so a persistent block can run it for one column block while other warps stash the
+// next one elsewhere (gemm_stream_kernel's PERSIST). finish_tile: both, with a block barrier between.
+template <int KS>
+__device__ __forceinline__ float &red_at(float *red, int sl, int r, int cc) {
+    return red[(sl * kTileM + r) * WarpTile<KS>::kBlockCols + cc];
+}
+
+template <int KS>
+__device__ __forceinline__ void stash_partials(const WarpTile<KS> &wt, const float acc[kNt][4], float *red) {
+    // c0, c1: row g, columns 2q, 2q+1 of the n-tile; c2, c3: row g + 8.
+#pragma unroll
+    for (int t = 0; t < kNt; ++t) {
+        const int cc = wt.group * WarpTile<KS>::kCols + t * 8 + 2 * wt.q;
+        red_at<KS>(red, wt.slice, wt.g, cc) = acc[t][0];
+        red_at<KS>(red, wt.slice, wt.g, cc + 1) = acc[t][1];
+        red_at<KS>(red, wt.slice, wt.g + 8, cc) = acc[t][2];
+        red_at<KS>(red, wt.slice, wt.g + 8, cc + 1) = acc[t][3];
+    }
+}
+
+// col_block: the column block whose partials `red` holds; m0 its row tile's first row.
+template <int KS, Epilogue E, int FUSE = kPlain>
+__device__ __forceinline__ void finish_pass(int64_t m0, int64_t col_block, int64_t col_blocks, float *red,
+                                            int64_t M, int64_t N, bf16 *y, int64_t ldy, float multiplier,
+                                            float softcap, float *logits_out, ArgmaxPartial *partial,
+                                            int64_t pair, const float *row_scale, bool accumulate,
+                                            float *ss_out) {
+    constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    static_assert(kBlockCols % 16 == 0 && kTileM * kBlockCols % (kWarps * 32) == 0,
+                  "ss_out's 16-column parts are aligned half-warps, and every thread runs every pass");
+    // A value: the slices in order 0..KS-1, then the row's norm factor (kNorm).
+    auto value = [&](int r, int cc) {
+        float v = red_at<KS>(red, 0, r, cc);
+#pragma unroll
+        for (int sl = 1; sl < KS; ++sl) v += red_at<KS>(red, sl, r, cc);
+        if constexpr (FUSE == kNorm) v *= row_scale[r];
+        return v;
+    };
+    // Only the rows < M are stored; whole passes of the block's threads (the butterflies need every lane).
+    constexpr int kThreads = kWarps * 32;
+    const int rows = int(M - m0 < kTileM ? M - m0 : int64_t(kTileM));
+    if constexpr (E == Epilogue::SwiGLU) {
+        constexpr int kHalf = kBlockCols / 2;  // gate columns cc, their up columns cc + kHalf
+        for (int i = threadIdx.x; i < rows * kHalf; i += kThreads) {
+            const int r = i / kHalf, cc = i % kHalf;
+            const int64_t m = m0 + r, n = col_block * kHalf + cc;
+            if (n < pair)
+                y[m * ldy + n] = to_bf16(swiglu_value(to_float(to_bf16(value(r, cc))),
+                                                      to_float(to_bf16(value(r, cc + kHalf)))));
+        }
+    } else if constexpr (E == Epilogue::Argmax) {
+        // One warp per row: lanes scan columns lane, lane+32, ... (increasing), then a butterfly
+        // that keeps the lowest index on ties (torch.argmax).
+        const int lane = threadIdx.x & 31;
+        for (int r = threadIdx.x >> 5; r < rows; r += kWarps) {
+            ArgmaxPartial b{-INFINITY, INT32_MAX};
+            for (int cc = lane; cc < kBlockCols; cc += 32) {
+                const int64_t n = col_block * kBlockCols + cc;
+                const float v = finish_logit(value(r, cc), multiplier, softcap);
+                if (n < N && (v > b.value || b.index == INT32_MAX)) b = {v, int32_t(n)};
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, b.value, o);
+                const int32_t oi = __shfl_xor_sync(0xffffffffu, b.index, o);
+                if (oi != INT32_MAX &&
+                    (b.index == INT32_MAX || ov > b.value || (ov == b.value && oi < b.index)))
+                    b = {ov, oi};
+            }
+            if (lane == 0) partial[(m0 + r) * col_blocks + col_block] = b;
+        }
+    } else {
+        const int passes = (rows * kBlockCols + kThreads - 1) / kThreads;
+        for (int p = 0; p < passes; ++p) {
+            const int i = threadIdx.x + p * kThreads;
+            const int r = i / kBlockCols, cc = i % kBlockCols;
+            const float v = value(r, cc);
+            const int64_t m = m0 + r, n = col_block * kBlockCols + cc;
+            if constexpr (E == Epilogue::Store) {
+                float stored = 0.f;
+                if (!(kExp & kExpNoStore) && m < M && n < N) {
+                    bf16 &out = y[m * ldy + n];
+                    const bf16 o = accumulate ? to_bf16(to_float(out) + to_float(to_bf16(v))) : to_bf16(v);
+                    out = o;
+                    stored = to_float(o);
+                }
+                if constexpr (FUSE == kStats && !(kExp & kExpNoStats)) {  // the 16 lanes of a part hold one row's 16 columns
+                    float sq = stored * stored;
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                    if (cc % 16 == 0 && m < M && n < N) ss_out[m * ss_parts(N) + n / 16] = sq;
+                }
+            } else {  // Logits
+                if (m < M && n < N) logits_out[m * N + n] = finish_logit(v, multiplier, softcap);
+            }
+        }
+    }
+}
+
+template <int KS, Epilogue E, int FUSE = kPlain>
+__device__ __forceinline__ void finish_tile(const WarpTile<KS> &wt, const float acc[kNt][4],
+                                            float *red, int64_t M, int64_t N, bf16 *y, int64_t ldy,
+                                            float multiplier, float softcap, float *logits_out,
+                                            ArgmaxPartial *partial, int64_t pair = 0,
+                                            const float *row_scale = nullptr, bool accumulate = false,
+                                            float *ss_out = nullptr) {
+    stash_partials<KS>(wt, acc, red);
+    __syncthreads();
+    finish_pass<KS, E, FUSE>(wt.m0, wt.col_block, wt.col_blocks, red, M, N, y, ldy, multiplier, softcap,
+                             logits_out, partial, pair, row_scale, accumulate, ss_out);
+}
+
+template <int KS>
+__host__ __device__ constexpr size_t red_bytes() {
+    return size_t(KS) * kTileM * WarpTile<KS>::kBlockCols * sizeof(float);
+}
+// Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile (PERSIST: the
+// rings, then two buffers of partials, taken by column blocks in turn).
+template <int KS, bool TILED, bool PERSIST = false>
+constexpr size_t stream_smem_bytes() {
+    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST>() * kStageBytes;
+    return PERSIST ? ring + 2 * red_bytes<KS>() : std::max(ring, red_bytes<KS>());
+}
+
+// Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
+template <int KS, Epilogue E>
+__global__ void __launch_bounds__(kWarps * 32)
+gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                int64_t N, int64_t K, bool vectorized, bf16 *y, int64_t ldy, float multiplier,
+                float softcap, float *logits_out, ArgmaxPartial *partial) {
+    pdl_prologue();
+    __shared__ float red[KS * kTileM * WarpTile<KS>::kBlockCols];
+    const WarpTile<KS> wt(K, gridDim.y);
+    float acc[kNt][4] = {};
+    const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
+#pragma unroll 2
+    for (int64_t c = wt.c_begin; c < wt.c_end; ++c) {
+        const int64_t c0 = c * kChunk;
+        uint32_t wb[kNt][8];
+#pragma unroll
+        for (int t = 0; t < kNt; ++t) {
+            const int64_t n = wt.col0 + t * 8 + wt.g;
+            load16<true>(w, K, n, n < N, c0, wt.q, K, vectorized, wb[t]);
+        }
+        uint32_t x0[8], x1[8];
+        load16<false>(x, ldx, wt.m0 + wt.g, row0_ok, c0, wt.q, K, vectorized, x0);
+        load16<false>(x, ldx, wt.m0 + wt.g + 8, row1_ok, c0, wt.q, K, vectorized, x1);
+        mma_chunk(acc, x0, x1, wb);
+    }
+    finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial);
+}
+
+// Ring-fed: 16-byte aligned x and w, K % 8 == 0, ldx % 8 == 0. Each warp streams its chunks
+// through S ring slots (kStages; kTiledStages when TILED): the slot read at step i was filled
+// S - 1 steps earlier, and the slot freed at step i - 1 is refilled at the top of step i, so S - 1
+// chunks are in flight per warp (no block-wide barrier until the epilogue). x is read from L2/L1
+// one chunk ahead.
+//
+// TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
+// warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
+// any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPlain>
+__global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
+gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                   int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out) {
+    // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
+    // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
+    // block is past its (last) k loop.
+    if (!late_trigger) pdl_launch_dependents();
+    static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
+    static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
+    static_assert(TILED || XL != XLoad::Half, "x chunks further ahead: the tiled kernel's registers");
+    static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
+    static_assert(FUSE != kNorm || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
+    static_assert(FUSE != kStats || E == Epilogue::Store, "only a store sums its rows' squares");
+    constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
+    static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
+    constexpr int S = ring_stages<TILED, PERSIST>();
+    extern __shared__ __align__(16) unsigned char smem[];
+    WarpTile<KS> wt(K, col_blocks);
+    wt.template at<kSwiGLU>(blockIdx.y, pair);
+    unsigned char *ring = smem + size_t(wt.warp) * S * kStageBytes;
+    const int64_t n_chunks = max(int64_t(0), wt.c_end - wt.c_begin);
+    const int64_t k_chunks = (K + kChunk - 1) / kChunk;
+    // This block's column blocks: blockIdx.y, + gridDim.y, ... (one unless PERSIST). Its warp's chunks
+    // run through the ring as one sequence over them, so the next column block's weights stream in
+    // while this one's sums are finished.
+    const int64_t my_tiles = PERSIST ? (col_blocks - 1 - int64_t(blockIdx.y)) / gridDim.y + 1 : 1;
+    const int64_t total = my_tiles * n_chunks;
+    // PERSIST: column block t's partials go to buffer t % 2 (red + (t % 2) * red floats); full[b]
+    // completes when every thread has stashed into buffer b, empty[b] when every thread's finish_pass
+    // of it is done. A warp finishes column block t - 1 after stashing t, so no warp waits for another
+    // except one whole column block behind (it replaced a block barrier per column block; session 21 on
+    // the H200: gate/up alone the same, 1.96 ms, its epilogue still 0.18 ms of it).
+    __shared__ uint64_t persist_bars[PERSIST ? 4 : 1];  // full[0], full[1], empty[0], empty[1]
+    if constexpr (PERSIST) {
+        if (threadIdx.x < 4) mbar_init(&persist_bars[threadIdx.x], kWarps * 32);
+        __syncthreads();
+    }
+
+    // The warp's chunk sequence, filled in order (no division on the way): the next chunk to fill is chunk
+    // fj of column block f_cb, into ring slot fs; f_col0 its first column.
+    int64_t f_cb = blockIdx.y, f_col0 = wt.col0, f_j = 0, filled = 0;
+    int fs = 0;
+    auto fill_next = [&]() {
+        const int64_t c0 = (wt.c_begin + f_j) * kChunk;
+        unsigned char *slot = ring + fs * kStageBytes;
+        const bool band_ok = f_col0 < N;  // a block's last groups may lie past N
+        if constexpr (TILED) {  // one 2 KB tile (band col0 / 16, chunk c_begin + j): piece p at p * 16 bytes
+            const bf16 *tile =
+                w + (band_ok ? ((f_col0 / kTileRows) * k_chunks + wt.c_begin + f_j) * (kTileRows * kTileCols) : 0);
+#pragma unroll
+            for (int q = 0; q < kNt * 64 / 32; ++q) {
+                const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
+                cp_async16(slot + ring_offset(r, part), band_ok ? tile + p * 8 : w, band_ok);
+            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < kNt * 64 / 32; ++q) {
+                const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
+                const int64_t n = f_col0 + r, k = c0 + part * 8;
+                const bool ok = n < N && k < K;
+                cp_async16(slot + ring_offset(r, part), ok ? w + n * K + k : w, ok);
+            }
+        }
+        ++filled;
+        fs = fs + 1 == S ? 0 : fs + 1;
+        if (PERSIST && ++f_j == n_chunks) {  // on to this block's next column block
+            f_j = 0;
+            f_cb += gridDim.y;
+            f_col0 = wt.template col0_of<kSwiGLU>(f_cb, pair);
+        } else if (!PERSIST) {
+            ++f_j;
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+        if (filled < total) fill_next();
+        cp_async_commit();  // empty groups keep the wait count uniform
+    }
+    // The weights never change: their first chunks stream in while the kernels before this one
+    // finish (programmatic dependent launch, unless DFLASH_PDL=0); x is written by those kernels, so the
+    // x loads wait.
+    if constexpr (!(kExp & kExpNoWait)) pdl_wait();
+
+    const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
+    // x rows: XRow's divergence-free loads when x is vectorized (every row-major launch); else load16.
+    const XRow xr0(x, ldx, wt.m0 + wt.g, row0_ok, wt.m0), xr1(x, ldx, wt.m0 + wt.g + 8, row1_ok, wt.m0);
+    const bool x1_rows = wt.m0 + 8 < M;  // some row g + 8 of the tile is < M
+    auto load_x = [&](int r, int64_t c0, uint32_t out[8]) {  // r: 0 = row g, 1 = row g + 8
+        if constexpr (kExp & kExpNoX) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[e] = 0x3c003c00u + uint32_t(c0);
+        } else if constexpr (XL == XLoad::Full)
+            (r ? xr1 : xr0).load_full(c0, wt.q, out);
+        else if constexpr (XL == XLoad::Half)  // M <= 8: rows g + 8 are never loaded (load_x_next)
+            xr0.load(c0, wt.q, K, out);
+        else if constexpr (XL == XLoad::Masked) {
+            if (TILED && r == 1 && !x1_rows) {  // tiled: rows g + 8 all past M (a decode step): zeros, no loads
+#pragma unroll
+                for (int e = 0; e < 8; ++e) out[e] = 0u;
+            } else {
+                (r ? xr1 : xr0).load(c0, wt.q, K, out);
+            }
+        } else
+            load16<false>(x, ldx, wt.m0 + wt.g + 8 * r, r ? row1_ok : row0_ok, c0, wt.q, K, false, out);
+    };
+    // x is read in sequence order too, the same k chunks in every column block: xj is the next x chunk.
+    int64_t xj = 0, x_loaded = 0;
+    auto load_x_next = [&](uint32_t out[2][8]) {
+        const int64_t c0 = (wt.c_begin + xj) * kChunk;
+        load_x(0, c0, out[0]);
+        if constexpr (XL != XLoad::Half) load_x(1, c0, out[1]);  // Half: out[1] stays the zeros it starts as
+        ++x_loaded;
+        xj = PERSIST && xj + 1 == n_chunks ? 0 : xj + 1;
+    };
+    // x in registers, ahead of the mma. The tiled kernel keeps kXSets fixed register sets taken in turn
+    // (set i: the chunks i, i + kXSets, ... of the sequence), and the load of chunk j + kXSets goes into the
+    // set chunk j's mma has just read, so no register waits on a load to be moved (rotating the chunks
+    // through the sets gave x one step to arrive, not two; session 21 on the H200: verify 3% faster). A
+    // warp's slice is 8-24 chunks at Qwen3 shapes and the ring's first 6-7 arrive before griddepcontrol.wait,
+    // so after it the warp runs at x's L2 round trips, kXSets chunks each (session 21: the GEMM chain 0.28 ms
+    // faster at 1 row and at 16 with no x loads at all). So as many sets as the 128 registers hold: three
+    // (16 regs each) where M > 8; Half (M <= 8) needs no rows g + 8, and their registers hold four sets of
+    // 8. The row-major kernel's register budget (3 blocks per SM) holds one chunk ahead: xs[0], and the
+    // next chunk loaded before the mma.
+    constexpr int kXSets = !TILED ? 1 : XL == XLoad::Half ? 4 : (kExp & kExpX2) ? 2 : 3;
+    uint32_t xs[kXSets][2][8] = {};
+#pragma unroll
+    for (int i = 0; i < kXSets; ++i)
+        if (x_loaded < total) load_x_next(xs[i]);
+    // PERSIST: the set of this column block's first chunk, which moves on where a slice's chunk count is not
+    // a multiple of kXSets (Half persistent launches have multiples of 4 only: launch_gemm's half; a rotation
+    // by 1-3 sets would take four copies of the loop, and the registers for them spilled).
+    constexpr bool kRotate = PERSIST && XL != XLoad::Half;
+    int x_rot = 0;
+    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
+                         : reinterpret_cast<float *>(smem);
+    float *row_scale = nullptr;
+    if constexpr (FUSE == kNorm) {  // read by finish_pass after a barrier (finish_tile's, or full[b])
+        __shared__ float scales[kTileM];
+        if constexpr (kExp & kExpNoRowScales) {
+            if (threadIdx.x < kTileM) scales[threadIdx.x] = 1.f;
+        } else {
+            row_scales(ss_in, wt.m0, M, K, norm_eps, scales);
+        }
+        row_scale = scales;
+    }
+    int rs = 0;  // the ring slot read next
+    for (int64_t t = 0; t < my_tiles; ++t) {
+        if (PERSIST && t > 0) wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
+        float acc[kNt][4] = {};
+        // One chunk: its weights from the ring (refilling the slot read last step) and its mma with x set
+        // xc; the next x chunk due goes into xn (tiled: xc itself, after the mma; row-major: a fresh set,
+        // before it).
+        auto step = [&](uint32_t (&xc)[2][8], uint32_t (&xn)[2][8]) {
+            cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
+            __syncwarp();            // ... and every lane's; all are done reading the one before
+            if (filled < total) fill_next();  // into the slot read last step
+            cp_async_commit();
+
+            uint32_t wb[kNt][8];
+            const unsigned char *slot = ring + rs * kStageBytes;
+            rs = rs + 1 == S ? 0 : rs + 1;
+#pragma unroll
+            for (int nt = 0; nt < kNt; ++nt) {
+                const int row = nt * 8 + wt.g;  // pieces 2q, 2q + 1: k = q*16 .. +15 of the chunk
+                const uint4 v0 = *reinterpret_cast<const uint4 *>(slot + ring_offset(row, 2 * wt.q));
+                const uint4 v1 = *reinterpret_cast<const uint4 *>(slot + ring_offset(row, 2 * wt.q + 1));
+                wb[nt][0] = v0.x, wb[nt][1] = v0.y, wb[nt][2] = v0.z, wb[nt][3] = v0.w;
+                wb[nt][4] = v1.x, wb[nt][5] = v1.y, wb[nt][6] = v1.z, wb[nt][7] = v1.w;
+            }
+            if (!TILED && x_loaded < total) load_x_next(xn);
+            mma_chunk(acc, xc[0], xc[1], wb);
+            if (TILED && x_loaded < total) load_x_next(xn);
+        };
+        if constexpr (TILED) {
+            // The column block's chunks, its first in set R.
+            auto run = [&](auto rot) {
+                constexpr int R = decltype(rot)::value;
+                int64_t j = 0;
+#pragma unroll 1
+                for (; j + kXSets <= n_chunks; j += kXSets) {
+#pragma unroll
+                    for (int i = 0; i < kXSets; ++i) step(xs[(R + i) % kXSets], xs[(R + i) % kXSets]);
+                }
+#pragma unroll
+                for (int i = 0; i + 1 < kXSets; ++i)
+                    if (j + i < n_chunks) step(xs[(R + i) % kXSets], xs[(R + i) % kXSets]);
+            };
+            using std::integral_constant;
+            if constexpr (!kRotate) {
+                run(integral_constant<int, 0>{});
+            } else {  // run<x_rot>
+                auto run_at = [&](auto self, auto rot) {
+                    constexpr int R = decltype(rot)::value;
+                    if constexpr (R + 1 < kXSets) {
+                        if (x_rot == R) run(rot);
+                        else self(self, integral_constant<int, R + 1>{});
+                    } else {
+                        run(rot);
+                    }
+                };
+                run_at(run_at, integral_constant<int, 0>{});
+                x_rot = int((x_rot + n_chunks) % kXSets);
+            }
+        } else {
+            for (int64_t j = 0; j < n_chunks; ++j) {
+                uint32_t nx[2][8] = {};
+                step(xs[0], nx);
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xs[0][r][e] = nx[r][e];
+            }
+        }
+        if constexpr (kExp & kExpNoFinish) {  // keep the sums alive, store nothing real
+            if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
+            if (acc[0][0] == 1234.5f && acc[1][3] == -1234.5f && y) y[0] = to_bf16(acc[0][1]);
+        } else if constexpr (PERSIST) {
+            constexpr int64_t kRedFloats = int64_t(red_bytes<KS>() / sizeof(float));
+            const int b = int(t & 1);
+            float *mine = red + b * kRedFloats, *prev = red + (b ^ 1) * kRedFloats;
+            if (t >= 2) mbar_wait(&persist_bars[2 + b], unsigned(t - 2) >> 1 & 1u);  // column block t - 2's pass
+            stash_partials<KS>(wt, acc, mine);
+            mbar_arrive(&persist_bars[b]);
+            if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
+            if (t >= 1) {  // column block t - 1, whose partials every warp stashed one column block ago
+                mbar_wait(&persist_bars[b ^ 1], unsigned(t - 1) >> 1 & 1u);
+                finish_pass<KS, E, FUSE>(wt.m0, int64_t(blockIdx.y) + (t - 1) * gridDim.y, col_blocks, prev, M, N,
+                                         y, ldy, multiplier, softcap, logits_out, partial, pair, row_scale,
+                                         accumulate, ss_out);
+                mbar_arrive(&persist_bars[2 + (b ^ 1)]);
+            }
+            if (t + 1 == my_tiles) {  // the last column block: once every warp has stashed it
+                mbar_wait(&persist_bars[b], unsigned(t) >> 1 & 1u);
+                finish_pass<KS, E, FUSE>(wt.m0, wt.col_block, col_blocks, mine, M, N, y, ldy, multiplier, softcap,
+                                         logits_out, partial, pair, row_scale, accumulate, ss_out);
+            }
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
+            if (late_trigger) pdl_launch_dependents();
+            finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
+                                     row_scale, accumulate, ss_out);
+        }
+    }
+}
+
+// Which fuse mode (FUSE) a call's GemmFuse needs: a folded norm, else the stored rows' sums, else plain.
+inline int fuse_mode(const GemmFuse &fuse) { return fuse.norm_eps > 0.f ? kNorm : fuse.ss_out ? kStats : kPlain; }
+
+}  // namespace
+
+// What the family's TUs share from gemv.cu, defined there once (device_facts' cache, the functions' levers
+// read once from the environment: one copy each, not one per TU).
+//
+// Per-device facts, read once: SM count and how many gemm_stream_kernel blocks fit on an SM
+// (shared memory bound: kWarps rings of kStages chunks; the tiled kernel's, register bound).
+// Setting the kernels' dynamic shared memory limits happens there too (setup_<family>), before any launch
+// or capture.
+struct DeviceFacts {
+    int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
+    int persist_blocks_per_sm = 0;                                    // the persistent tiled kernel
+    bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (StreamOccupancy)
+};
+const DeviceFacts &device_facts();
+bool late_pdl_trigger(int64_t M);
+unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
+bool stream_enabled();
+
+// The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
+// 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
+// only, never of M (that is what keeps verify logits equal to decode logits). Chosen to fill the
+// resident block slots: a score of blocks / slots for one partial wave, and the last wave's fill
+// beyond that (1.45 waves ran at 73% on the H200); fewer slices win unless more fill clearly better.
+struct Tiling {
+    int ks;
+    int64_t block_cols() const { return int64_t(kWarps / ks) * kNt * 8; }
+    unsigned blocks(int64_t N) const { return unsigned((N + block_cols() - 1) / block_cols()); }
+};
+Tiling tiling(int64_t N, int64_t K, bool tiled);
+int swiglu_ks(int64_t pair, int64_t K, bool tiled);
+
+// One call's operands, as launch_gemm takes them (partial: ArgmaxPartial *, whose type is each TU's own).
+struct GemmArgs {
+    const bf16 *x;  // [M, ldx] bf16
+    int64_t M, ldx;
+    const bf16 *w;  // [N, K] bf16, tiled (w_tiled) or row-major
+    bool w_tiled;
+    int64_t N, K;
+    bf16 *y;  // Store, SwiGLU: [M, ldy] bf16
+    int64_t ldy;
+    float multiplier, softcap;
+    float *logits_out;  // Logits: [M, N] fp32
+    void *partial;      // Argmax: ArgmaxPartial [M, column blocks]
+    cudaStream_t s;
+    int64_t pair;  // SwiGLU: the intermediate size (N = 2 * pair)
+    GemmFuse fuse;
+};
+
+// Blocks of a family's gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, FUSE> resident per SM, for
+// KS = 1, 2, 4, 8 (SwiGLU: 8 left 0), row-major, tiled and persistent (tiled).
+struct StreamOccupancy {
+    int row_major[4] = {}, tiled[4] = {}, persist[4] = {};
+    bool operator==(const StreamOccupancy &o) const {
+        return std::equal(row_major, row_major + 4, o.row_major) && std::equal(tiled, tiled + 4, o.tiled) &&
+               std::equal(persist, persist + 4, o.persist);
+    }
+};
+
+// The kernel families, in their TUs. launch_<family>: launch_gemm<E, FUSE> (gemv.cu picks the family:
+// the epilogue, and fuse_mode for Store and SwiGLU). setup_<family> (device_facts, once per device, before
+// any launch): the family's dynamic shared memory limits, and its occupancy where device_facts reads it.
+void launch_store(const GemmArgs &a);  // gemv_store.cu: Store, kPlain
+StreamOccupancy setup_store();
+void launch_store_norm(const GemmArgs &a);  // gemv_store_norm.cu: Store, kNorm
+StreamOccupancy setup_store_norm();
+void launch_store_stats(const GemmArgs &a);  // gemv_store_stats.cu: Store, kStats
+StreamOccupancy setup_store_stats();
+void launch_swiglu(const GemmArgs &a);  // gemv_swiglu.cu: SwiGLU, kPlain
+StreamOccupancy setup_swiglu();
+void launch_swiglu_norm(const GemmArgs &a);  // gemv_swiglu.cu: SwiGLU, kNorm
+StreamOccupancy setup_swiglu_norm();
+void launch_logits(const GemmArgs &a);  // gemv_logits.cu: Logits
+void setup_logits();
+void launch_argmax(const GemmArgs &a);  // gemv_argmax.cu: Argmax (its partials; gemv.cu reduces them)
+void setup_argmax();
+
+namespace {
+
+// w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
+// vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
+// tiled weights have a tiling of their own (tiling(..., true)).
+// SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
+// fuse (Store and SwiGLU; the ring-fed kernels only, gemm_fuse_fits): a folded norm, accumulate.
+// FUSE: the kernels' fuse mode, fuse_mode(fuse) (the family's TU instantiates one).
+template <Epilogue E, int FUSE>
+void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+            bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
+            ArgmaxPartial *partial, cudaStream_t s, int64_t pair, GemmFuse fuse) {
+    static_assert(FUSE == kPlain || (FUSE == kNorm && (E == Epilogue::Store || E == Epilogue::SwiGLU)) ||
+                      (FUSE == kStats && E == Epilogue::Store),
+                  "norms feed GEMMs and the MLP, sums come from stores");
+    const bool x_vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
+    const bool vectorized = x_vec && aligned16(w);
+    const bool stream = vectorized && stream_enabled();
+    if (w_tiled && !tiled_gemm_supported())
+        fail(DFLASH_STATUS_INTERNAL, "a tiled GEMM weight on a device without the tiled kernel");
+    constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
+    const Tiling t = kSwiGLU ? Tiling{swiglu_ks(pair, K, w_tiled)} : tiling(N, K, w_tiled);
+    if (kSwiGLU && (t.ks == 0 || !(w_tiled || stream)))
+        fail(DFLASH_STATUS_INTERNAL, "gemm_swiglu: no fused tiling for ", pair, " x ", K);
+    const unsigned col_blocks = kSwiGLU ? unsigned(pair / (t.block_cols() / 2)) : t.blocks(N);
+    if (col_blocks > 65535u)
+        fail(DFLASH_STATUS_NOT_SUPPORTED, "gemm: ", col_blocks, " column blocks for N = ", N,
+             " (a grid holds 65535)");
+    const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
+    const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
+    if ((fuse.any() || fuse.ss_out) && !(w_tiled || stream))
+        fail(DFLASH_STATUS_INTERNAL, "gemm: a fused norm / accumulate without the ring-fed kernel");
+    if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
+    if (fuse.norm_eps > 0.f && !device_facts().norm_ok)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: folded-norm kernels do not fit as the plain ones (norm_ok)");
+    if (fuse.norm_eps > 0.f && !fuse.ss_in)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: a folded norm needs its rows' sums of squares (GemmFuse::ss_in)");
+    if (fuse.ss_out && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store writes ss_out");
+    if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
+    if (fuse_mode(fuse) != FUSE)
+        fail(DFLASH_STATUS_INTERNAL, "gemm: fuse mode ", fuse_mode(fuse), " launched as ", FUSE);
+    auto go = [&](auto ks) {
+        constexpr int KS = decltype(ks)::value;
+        if constexpr (kSwiGLU && KS == 8) {
+            return;  // never chosen (swiglu_ks)
+        } else if (w_tiled || stream) {
+            const int64_t chunks = (K + kChunk - 1) / kChunk;
+            // half: tiled only; persistent, where every slice has a multiple of 4 chunks (kRotate)
+            const bool full = M % kTileM == 0 && K % kChunk == 0,
+                       half = M <= 8 && (!persist || (chunks % KS == 0 && chunks / KS % 4 == 0));
+            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kH = XLoad::Half;
+            auto *kernel = persist  ? (full   ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                       : half ? gemm_stream_kernel<KS, E, true, kH, true, FUSE>
+                                              : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+                           : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
+                           : x_vec    ? (full   ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
+                                         : half ? gemm_stream_kernel<KS, E, true, kH, false, FUSE>
+                                                : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
+                                      : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
+            // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
+            const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
+                                : w_tiled ? stream_smem_bytes<KS, true>()
+                                          : stream_smem_bytes<KS, false>();
+            launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
+                   multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
+                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
+        } else if constexpr (!kSwiGLU && FUSE == kPlain) {
+            launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
+                   multiplier, softcap, logits_out, partial);
+        }
+    };
+    using std::integral_constant;
+    switch (t.ks) {
+        case 1: go(integral_constant<int, 1>{}); break;
+        case 2: go(integral_constant<int, 2>{}); break;
+        case 4: go(integral_constant<int, 4>{}); break;
+        default: go(integral_constant<int, 8>{}); break;
+    }
+}
+
+// A family's launch_<family>.
+template <Epilogue E, int FUSE>
+void launch_family(const GemmArgs &a) {
+    launch_gemm<E, FUSE>(a.x, a.M, a.ldx, a.w, a.w_tiled, a.N, a.K, a.y, a.ldy, a.multiplier, a.softcap,
+                         a.logits_out, static_cast<ArgmaxPartial *>(a.partial), a.s, a.pair, a.fuse);
+}
+
+template <int KS, Epilogue E, int FUSE = kPlain>
+void allow_stream_smem() {
+    for (auto kernel : {gemm_stream_kernel<KS, E, false, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, false, XLoad::Full, false, FUSE>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS, false>())));
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Half, false, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS, true>())));
+    for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>,
+                        gemm_stream_kernel<KS, E, true, XLoad::Half, true, FUSE>})
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(stream_smem_bytes<KS, true, true>())));
+}
+
+// A family's limits: every KS it launches (SwiGLU: ks <= 4, swiglu_ks).
+template <Epilogue E, int FUSE>
+void allow_family_smem() {
+    allow_stream_smem<1, E, FUSE>();
+    allow_stream_smem<2, E, FUSE>();
+    allow_stream_smem<4, E, FUSE>();
+    if constexpr (E != Epilogue::SwiGLU) allow_stream_smem<8, E, FUSE>();
+}
+
+// Blocks of gemm_stream_kernel<KS, E, TILED, Masked, PERSIST, FUSE> resident per SM.
+template <int KS, bool TILED, bool PERSIST, Epilogue E = Epilogue::Store, int FUSE = kPlain>
+int stream_occupancy() {
+    int blocks = 0;
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, FUSE>, kWarps * 32,
+        stream_smem_bytes<KS, TILED, PERSIST>()));
+    return blocks;
+}
+
+// A family's setup_<family> where device_facts reads its occupancy: the limits, then the StreamOccupancy.
+template <Epilogue E, int FUSE>
+StreamOccupancy setup_family() {
+    allow_family_smem<E, FUSE>();
+    StreamOccupancy o;
+    auto count = [&](auto ks, int i) {
+        constexpr int KS = decltype(ks)::value;
+        o.row_major[i] = stream_occupancy<KS, false, false, E, FUSE>();
+        o.tiled[i] = stream_occupancy<KS, true, false, E, FUSE>();
+        o.persist[i] = stream_occupancy<KS, true, true, E, FUSE>();
+    };
+    using std::integral_constant;
+    count(integral_constant<int, 1>{}, 0);
+    count(integral_constant<int, 2>{}, 1);
+    count(integral_constant<int, 4>{}, 2);
+    if constexpr (E != Epilogue::SwiGLU) count(integral_constant<int, 8>{}, 3);
+    return o;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dflash
