@@ -7,7 +7,7 @@
 #   tools/gemm_exp_build.sh 0 8 16              # this tree's gemv TUs at DFLASH_GEMM_EXP=0, 8, 16
 #   tools/gemm_exp_build.sh main:0 0 8          # main's gemv TUs at 0, then this tree's at 0 and 8
 # Bits: 1 no row_scales (folded-norm factors 1), 2 no kStats, 4 no stores, 8 no x loads, 16 no finish at all,
-# 32 no griddepcontrol.wait; 64 (correct sums) two x register sets where M > 8 instead of three. Needs a configured build/local (cmake -DDFLASH_OP_TESTS=ON ...; ninja -C build/local
+# 32 no griddepcontrol.wait. Needs a configured build/local (cmake -DDFLASH_OP_TESTS=ON ...; ninja -C build/local
 # gemm_chain_bench): the other objects are linked from there. About 130 s of compiling per variant (the TUs
 # of a variant in parallel), two variants at a time.
 set -euo pipefail

@@ -71,7 +71,6 @@ namespace {
 constexpr int kExp = DFLASH_GEMM_EXP;
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
               kExpNoWait = 32;
-constexpr int kExpX2 = 64;  // not a strip: two x register sets where M > 8 instead of three (the sums unchanged)
 
 constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
 constexpr int kTileM = 16;    // rows per mma tile
@@ -144,10 +143,8 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 
 // How the ring-fed kernel reads x: Element (load16's element path: any alignment), Masked (XRow:
 // 16-byte loads, rows past M and halves past K zeroed), Full (plain 16-byte loads: M % 16 == 0 and
-// K % 64 == 0, so nothing needs zeroing), Half (tiled, M <= 8: Masked loads of rows g only; rows g + 8
-// are zeros by construction, and the registers they would take hold x chunks further ahead). They read
-// the same values, so the sums are the same.
-enum class XLoad { Element, Masked, Full, Half };
+// K % 64 == 0, so nothing needs zeroing). They read the same values, so the sums are the same.
+enum class XLoad { Element, Masked, Full };
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
 // past M reads the tile's first row (valid whenever the block runs: M > m0) and is zeroed, and an
@@ -440,7 +437,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if (!late_trigger) pdl_launch_dependents();
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
-    static_assert(TILED || XL != XLoad::Half, "x chunks further ahead: the tiled kernel's registers");
     static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
     static_assert(FUSE != kNorm || E == Epilogue::Store || E == Epilogue::SwiGLU, "a folded norm feeds a GEMM or the MLP");
     static_assert(FUSE != kStats || E == Epilogue::Store, "only a store sums its rows' squares");
@@ -524,8 +520,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             for (int e = 0; e < 8; ++e) out[e] = 0x3c003c00u + uint32_t(c0);
         } else if constexpr (XL == XLoad::Full)
             (r ? xr1 : xr0).load_full(c0, wt.q, out);
-        else if constexpr (XL == XLoad::Half)  // M <= 8: rows g + 8 are never loaded (load_x_next)
-            xr0.load(c0, wt.q, K, out);
         else if constexpr (XL == XLoad::Masked) {
             if (TILED && r == 1 && !x1_rows) {  // tiled: rows g + 8 all past M (a decode step): zeros, no loads
 #pragma unroll
@@ -541,30 +535,21 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     auto load_x_next = [&](uint32_t out[2][8]) {
         const int64_t c0 = (wt.c_begin + xj) * kChunk;
         load_x(0, c0, out[0]);
-        if constexpr (XL != XLoad::Half) load_x(1, c0, out[1]);  // Half: out[1] stays the zeros it starts as
+        load_x(1, c0, out[1]);
         ++x_loaded;
         xj = PERSIST && xj + 1 == n_chunks ? 0 : xj + 1;
     };
-    // x in registers, ahead of the mma. The tiled kernel keeps kXSets fixed register sets taken in turn
-    // (set i: the chunks i, i + kXSets, ... of the sequence), and the load of chunk j + kXSets goes into the
-    // set chunk j's mma has just read, so no register waits on a load to be moved (rotating the chunks
-    // through the sets gave x one step to arrive, not two; session 21 on the H200: verify 3% faster). A
-    // warp's slice is 8-24 chunks at Qwen3 shapes and the ring's first 6-7 arrive before griddepcontrol.wait,
-    // so after it the warp runs at x's L2 round trips, kXSets chunks each (session 21: the GEMM chain 0.28 ms
-    // faster at 1 row and at 16 with no x loads at all). So as many sets as the 128 registers hold: three
-    // (16 regs each) where M > 8; Half (M <= 8) needs no rows g + 8, and their registers hold four sets of
-    // 8. The row-major kernel's register budget (3 blocks per SM) holds one chunk ahead: xs[0], and the
-    // next chunk loaded before the mma.
-    constexpr int kXSets = !TILED ? 1 : XL == XLoad::Half ? 4 : (kExp & kExpX2) ? 2 : 3;
-    uint32_t xs[kXSets][2][8] = {};
-#pragma unroll
-    for (int i = 0; i < kXSets; ++i)
-        if (x_loaded < total) load_x_next(xs[i]);
-    // PERSIST: the set of this column block's first chunk, which moves on where a slice's chunk count is not
-    // a multiple of kXSets (Half persistent launches have multiples of 4 only: launch_gemm's half; a rotation
-    // by 1-3 sets would take four copies of the loop, and the registers for them spilled).
-    constexpr bool kRotate = PERSIST && XL != XLoad::Half;
-    int x_rot = 0;
+    // x in registers, ahead of the mma. The tiled kernel keeps two fixed register sets taken in turn (xa:
+    // the even chunks of the sequence, xb: the odd ones), and the load of chunk i + 2 goes into the set
+    // chunk i's mma has just read, so no register waits on a load to be moved (rotating the chunks
+    // through the sets gave x one step to arrive, not two). Session 21 on the H200: verify 3% faster, the
+    // GEMM chain the same at 1 row, where x loads still cost 0.28 ms (the chain with none). The row-major
+    // kernel's register budget (3 blocks per SM) holds one chunk ahead: xa, and the next chunk loaded
+    // before the mma.
+    uint32_t xa[2][8] = {}, xb[2][8] = {};
+    if (x_loaded < total) load_x_next(xa);
+    if (TILED && x_loaded < total) load_x_next(xb);
+    bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
     float *row_scale = nullptr;
@@ -606,43 +591,28 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             if (TILED && x_loaded < total) load_x_next(xn);
         };
         if constexpr (TILED) {
-            // The column block's chunks, its first in set R.
-            auto run = [&](auto rot) {
-                constexpr int R = decltype(rot)::value;
+            auto run = [&](uint32_t (&x0)[2][8], uint32_t (&x1)[2][8]) {
                 int64_t j = 0;
 #pragma unroll 1
-                for (; j + kXSets <= n_chunks; j += kXSets) {
-#pragma unroll
-                    for (int i = 0; i < kXSets; ++i) step(xs[(R + i) % kXSets], xs[(R + i) % kXSets]);
+                for (; j + 2 <= n_chunks; j += 2) {
+                    step(x0, x0);
+                    step(x1, x1);
                 }
-#pragma unroll
-                for (int i = 0; i + 1 < kXSets; ++i)
-                    if (j + i < n_chunks) step(xs[(R + i) % kXSets], xs[(R + i) % kXSets]);
+                if (j < n_chunks) step(x0, x0);
             };
-            using std::integral_constant;
-            if constexpr (!kRotate) {
-                run(integral_constant<int, 0>{});
-            } else {  // run<x_rot>
-                auto run_at = [&](auto self, auto rot) {
-                    constexpr int R = decltype(rot)::value;
-                    if constexpr (R + 1 < kXSets) {
-                        if (x_rot == R) run(rot);
-                        else self(self, integral_constant<int, R + 1>{});
-                    } else {
-                        run(rot);
-                    }
-                };
-                run_at(run_at, integral_constant<int, 0>{});
-                x_rot = int((x_rot + n_chunks) % kXSets);
-            }
+            if (PERSIST && x_odd)
+                run(xb, xa);
+            else
+                run(xa, xb);
+            if (PERSIST && (n_chunks & 1)) x_odd = !x_odd;
         } else {
             for (int64_t j = 0; j < n_chunks; ++j) {
                 uint32_t nx[2][8] = {};
-                step(xs[0], nx);
+                step(xa, nx);
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) xs[0][r][e] = nx[r][e];
+                    for (int e = 0; e < 8; ++e) xa[r][e] = nx[r][e];
             }
         }
         if constexpr (kExp & kExpNoFinish) {  // keep the sums alive, store nothing real
@@ -804,19 +774,14 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         if constexpr (kSwiGLU && KS == 8) {
             return;  // never chosen (swiglu_ks)
         } else if (w_tiled || stream) {
-            const int64_t chunks = (K + kChunk - 1) / kChunk;
-            // half: tiled only; persistent, where every slice has a multiple of 4 chunks (kRotate)
-            const bool full = M % kTileM == 0 && K % kChunk == 0,
-                       half = M <= 8 && (!persist || (chunks % KS == 0 && chunks / KS % 4 == 0));
-            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kH = XLoad::Half;
-            auto *kernel = persist  ? (full   ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
-                                       : half ? gemm_stream_kernel<KS, E, true, kH, true, FUSE>
-                                              : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+            const bool full = M % kTileM == 0 && K % kChunk == 0;
+            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
+            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                            : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
                            : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
-                           : x_vec    ? (full   ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
-                                         : half ? gemm_stream_kernel<KS, E, true, kH, false, FUSE>
-                                                : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
+                           : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
+                                              : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
                                       : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
             const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
@@ -854,13 +819,11 @@ void allow_stream_smem() {
                                                int(stream_smem_bytes<KS, false>())));
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, false, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, false, FUSE>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Half, false, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>,
-                        gemm_stream_kernel<KS, E, true, XLoad::Half, true, FUSE>})
+                        gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true, true>())));
 }
