@@ -71,6 +71,18 @@ bool stream_enabled() {
     return on && device_facts().stream_blocks_per_sm > 0;
 }
 
+// One-row tiled GEMMs read x from shared memory slices (XLoad::Slice, Slice2); DFLASH_GEMM_X_SLICE=0 keeps x
+// in registers there too; DFLASH_GEMM_X_SLICE_PERSIST=0 in persistent launches, =1 there where the slice
+// takes one ring stage (same sums: A/B switches for benchmarks). `stages`: what the launch's slice takes.
+bool slice_enabled(bool persist, int stages) {
+    static const bool on = env_switch_on("DFLASH_GEMM_X_SLICE");
+    static const int persist_max = [] {
+        const char *v = std::getenv("DFLASH_GEMM_X_SLICE_PERSIST");
+        return !v ? 2 : v[0] == '0' ? 0 : v[0] == '1' ? 1 : 2;
+    }();
+    return on && (!persist || stages <= persist_max);
+}
+
 namespace {
 
 // The k-split (1, 2, 4, 8, at most max_ks) whose grid best fills the resident block slots of the

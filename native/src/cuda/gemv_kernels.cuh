@@ -97,8 +97,6 @@ constexpr int kTiledStages = 7;  // the tiled kernel: 2 blocks per SM, so a deep
 // A persistent launch (tiled only) keeps finish_tile's sums apart from the ring, which then holds the
 // next column block's chunks: one chunk less, so two blocks still fit on an SM.
 constexpr int kPersistStages = kTiledStages - 1;
-template <bool TILED, bool PERSIST = false>
-__host__ __device__ constexpr int ring_stages() { return PERSIST ? kPersistStages : TILED ? kTiledStages : kStages; }
 constexpr int kRowBytes = kChunk * 2;               // a ring row: one chunk of a weight row, 8 pieces of 16 bytes
 constexpr int kStageBytes = kNt * 8 * kRowBytes;    // one chunk of a warp's kNt * 8 weight rows
 // Where piece `part` of ring row r lies: swizzled (part ^ r % 8), so the 8 lanes of a quad member q, which
@@ -143,8 +141,28 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 
 // How the ring-fed kernel reads x: Element (load16's element path: any alignment), Masked (XRow:
 // 16-byte loads, rows past M and halves past K zeroed), Full (plain 16-byte loads: M % 16 == 0 and
-// K % 64 == 0, so nothing needs zeroing). They read the same values, so the sums are the same.
-enum class XLoad { Element, Masked, Full };
+// K % 64 == 0, so nothing needs zeroing), Slice (tiled, M == 1: the warp's whole k slice of the row loaded
+// into shared memory at once after griddepcontrol.wait, each chunk's x then read from there). They read the
+// same values, so the sums are the same.
+//
+// Why Slice: x in registers is loaded two chunks ahead, so a warp's x loads go out one pair at a time
+// behind its ring's refills, and at 1 row, where most of a slice's weights are already in the ring when
+// the wait returns, the warp then runs at one x round trip per two chunks (session 21: the GEMM chain
+// 0.28 ms faster at 1 row with no x loads at all; session 22: three or four register sets ahead did not
+// help). One burst of loads per warp puts every x round trip of the slice into one.
+enum class XLoad { Element, Masked, Full, Slice, Slice2 };
+
+// XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
+// (32) chunks of one row (128 bytes a chunk), so two blocks still fit on an SM. SL: the ring chunks given.
+// Session 23 on the H200, two everywhere: qkv, o_proj and down alone 7-12% faster, gate/up (persistent, 4
+// chunks of ring left) 6% slower; so each launch gives what its slice needs.
+constexpr int kSliceChunksPerStage = kStageBytes / kRowBytes;  // 16
+template <XLoad XL>
+__host__ __device__ constexpr int slice_stages() { return XL == XLoad::Slice ? 1 : XL == XLoad::Slice2 ? 2 : 0; }
+template <bool TILED, bool PERSIST = false, int SL = 0>
+__host__ __device__ constexpr int ring_stages() {
+    return (PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL;
+}
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
 // past M reads the tile's first row (valid whenever the block runs: M > m0) and is zeroed, and an
@@ -382,10 +400,18 @@ __host__ __device__ constexpr size_t red_bytes() {
 }
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile (PERSIST: the
 // rings, then two buffers of partials, taken by column blocks in turn).
-template <int KS, bool TILED, bool PERSIST = false>
+// SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0>
+__host__ __device__ constexpr size_t slice_offset() {
+    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL>() * kStageBytes;
+    return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
+}
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0>
 constexpr size_t stream_smem_bytes() {
-    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST>() * kStageBytes;
-    return PERSIST ? ring + 2 * red_bytes<KS>() : std::max(ring, red_bytes<KS>());
+    constexpr size_t bytes = slice_offset<KS, TILED, PERSIST, SL>() + size_t(SL) * kWarps * kStageBytes;
+    static_assert(bytes <= slice_offset<KS, TILED, PERSIST, 0>(),
+                  "x slices in place of ring stages: the blocks per SM stay as they were");
+    return bytes;
 }
 
 // Register-fed: any alignment, any K. x: [M, ldx] bf16; w: [N, K] bf16.
@@ -442,7 +468,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     static_assert(FUSE != kStats || E == Epilogue::Store, "only a store sums its rows' squares");
     constexpr bool kSwiGLU = E == Epilogue::SwiGLU;
     static_assert(!kSwiGLU || WarpTile<KS>::kGroups >= 2, "SwiGLU needs two column groups per block (ks <= 4)");
-    constexpr int S = ring_stages<TILED, PERSIST>();
+    constexpr int SL = slice_stages<XL>();
+    constexpr bool kSlice = SL > 0;
+    static_assert(!kSlice || TILED, "x slices: the tiled kernel (M == 1)");
+    constexpr int S = ring_stages<TILED, PERSIST, SL>();
     extern __shared__ __align__(16) unsigned char smem[];
     WarpTile<KS> wt(K, col_blocks);
     wt.template at<kSwiGLU>(blockIdx.y, pair);
@@ -509,6 +538,25 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // finish (programmatic dependent launch, unless DFLASH_PDL=0); x is written by those kernels, so the
     // x loads wait.
     if constexpr (!(kExp & kExpNoWait)) pdl_wait();
+    // Slice: the warp's k slice of row 0 (M == 1), all its loads in flight at once, into shared memory.
+    unsigned char *xslice = smem + slice_offset<KS, TILED, PERSIST, SL>() + size_t(wt.warp) * SL * kStageBytes;
+    if constexpr (kSlice) {
+        constexpr int kPer = SL * kStageBytes / 16 / 32;  // 16-byte pieces per lane
+        const int64_t k_lo = wt.c_begin * kChunk;
+        const int n_pieces = int(n_chunks) * (kChunk / 8);
+        uint4 v[kPer];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+            const int p = wt.lane + 32 * i;
+            const int64_t k = k_lo + int64_t(p) * 8;
+            v[i] = p < n_pieces && k < K ? load_act16(x + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+            if (wt.lane + 32 * i < n_pieces) *reinterpret_cast<uint4 *>(xslice + (wt.lane + 32 * i) * 16) = v[i];
+        __syncwarp();
+    }
+    int64_t sj = 0;  // Slice: the slice's chunk of the step
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     // x rows: XRow's divergence-free loads when x is vectorized (every row-major launch); else load16.
@@ -547,8 +595,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // kernel's register budget (3 blocks per SM) holds one chunk ahead: xa, and the next chunk loaded
     // before the mma.
     uint32_t xa[2][8] = {}, xb[2][8] = {};
-    if (x_loaded < total) load_x_next(xa);
-    if (TILED && x_loaded < total) load_x_next(xb);
+    if (!kSlice && x_loaded < total) load_x_next(xa);
+    if (!kSlice && TILED && x_loaded < total) load_x_next(xb);
     bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
                          : reinterpret_cast<float *>(smem);
@@ -586,9 +634,17 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 wb[nt][0] = v0.x, wb[nt][1] = v0.y, wb[nt][2] = v0.z, wb[nt][3] = v0.w;
                 wb[nt][4] = v1.x, wb[nt][5] = v1.y, wb[nt][6] = v1.z, wb[nt][7] = v1.w;
             }
-            if (!TILED && x_loaded < total) load_x_next(xn);
+            if constexpr (kSlice) {  // row 0 only: lanes g = 0 (pieces 2q, 2q + 1), the rest zeros
+                const uint32_t keep = wt.g == 0 ? 0xffffffffu : 0u;
+                const uint4 v0 = *reinterpret_cast<const uint4 *>(xslice + sj * kRowBytes + wt.q * 32);
+                const uint4 v1 = *reinterpret_cast<const uint4 *>(xslice + sj * kRowBytes + wt.q * 32 + 16);
+                xc[0][0] = v0.x & keep, xc[0][1] = v0.y & keep, xc[0][2] = v0.z & keep, xc[0][3] = v0.w & keep;
+                xc[0][4] = v1.x & keep, xc[0][5] = v1.y & keep, xc[0][6] = v1.z & keep, xc[0][7] = v1.w & keep;
+                sj = PERSIST && sj + 1 == n_chunks ? 0 : sj + 1;
+            }
+            if (!kSlice && !TILED && x_loaded < total) load_x_next(xn);
             mma_chunk(acc, xc[0], xc[1], wb);
-            if (TILED && x_loaded < total) load_x_next(xn);
+            if (!kSlice && TILED && x_loaded < total) load_x_next(xn);
         };
         if constexpr (TILED) {
             auto run = [&](uint32_t (&x0)[2][8], uint32_t (&x1)[2][8]) {
@@ -669,6 +725,7 @@ const DeviceFacts &device_facts();
 bool late_pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
+bool slice_enabled(bool persist, int stages);
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
@@ -775,16 +832,28 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             return;  // never chosen (swiglu_ks)
         } else if (w_tiled || stream) {
             const bool full = M % kTileM == 0 && K % kChunk == 0;
-            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked;
-            auto *kernel = persist  ? (full ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
-                                            : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+            // sl: x slices (tiled, one row, x vectorized): the ring stages a warp's k slice needs, 1 or 2
+            const int64_t per_slice = ((K + kChunk - 1) / kChunk + KS - 1) / KS;
+            int sl = w_tiled && x_vec && M == 1 ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
+            if (sl > 2 || !slice_enabled(persist != 0, sl)) sl = 0;  // a slice past 32 chunks: x in registers
+            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2;
+            auto *kernel = persist  ? (sl == 1 ? gemm_stream_kernel<KS, E, true, kS, true, FUSE>
+                                       : sl == 2 ? gemm_stream_kernel<KS, E, true, kS2, true, FUSE>
+                                       : full    ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                                 : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
                            : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
+                           : sl == 1  ? gemm_stream_kernel<KS, E, true, kS, false, FUSE>
+                           : sl == 2  ? gemm_stream_kernel<KS, E, true, kS2, false, FUSE>
                            : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
                                       : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
-            const size_t smem = persist   ? stream_smem_bytes<KS, true, true>()
+            const size_t smem = persist   ? (sl == 1   ? stream_smem_bytes<KS, true, true, 1>()
+                                             : sl == 2 ? stream_smem_bytes<KS, true, true, 2>()
+                                                       : stream_smem_bytes<KS, true, true>())
+                                : sl == 1 ? stream_smem_bytes<KS, true, false, 1>()
+                                : sl == 2 ? stream_smem_bytes<KS, true, false, 2>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
@@ -822,6 +891,13 @@ void allow_stream_smem() {
                         gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(stream_smem_bytes<KS, true>())));
+    auto allow = [](auto *kernel, size_t bytes) {
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    };
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, false, FUSE>, stream_smem_bytes<KS, true, false, 1>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, false, FUSE>, stream_smem_bytes<KS, true, false, 2>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, true, FUSE>, stream_smem_bytes<KS, true, true, 1>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, true, FUSE>, stream_smem_bytes<KS, true, true, 2>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
