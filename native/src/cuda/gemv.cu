@@ -72,15 +72,11 @@ bool stream_enabled() {
 }
 
 // One-row tiled GEMMs read x from shared memory slices (XLoad::Slice, Slice2); DFLASH_GEMM_X_SLICE=0 keeps x
-// in registers there too; DFLASH_GEMM_X_SLICE_PERSIST=0 in persistent launches, =1 there where the slice
-// takes one ring stage (same sums: A/B switches for benchmarks). `stages`: what the launch's slice takes.
-bool slice_enabled(bool persist, int stages) {
-    static const bool on = env_switch_on("DFLASH_GEMM_X_SLICE");
-    static const int persist_max = [] {
-        const char *v = std::getenv("DFLASH_GEMM_X_SLICE_PERSIST");
-        return !v ? 2 : v[0] == '0' ? 0 : v[0] == '1' ? 1 : 2;
-    }();
-    return on && (!persist || stages <= persist_max);
+// in registers there too, DFLASH_GEMM_X_SLICE_PERSIST=0 in persistent launches (same sums: A/B switches for
+// benchmarks).
+bool slice_enabled(bool persist) {
+    static const bool on = env_switch_on("DFLASH_GEMM_X_SLICE"), on_persist = env_switch_on("DFLASH_GEMM_X_SLICE_PERSIST");
+    return on && (!persist || on_persist);
 }
 
 namespace {

@@ -154,8 +154,9 @@ enum class XLoad { Element, Masked, Full, Slice, Slice2 };
 
 // XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
 // (32) chunks of one row (128 bytes a chunk), so two blocks still fit on an SM. SL: the ring chunks given.
-// Session 23 on the H200, two everywhere: qkv, o_proj and down alone 7-12% faster, gate/up (persistent, 4
-// chunks of ring left) 6% slower; so each launch gives what its slice needs.
+// Each launch gives what its slice needs (session 23 on the H200, 36 layers of Qwen3-8B shapes at 1 row, x in
+// registers -> slices: qkv alone 0.611 -> 0.533 ms (one stage), o_proj 0.420 -> 0.348 (one), down 0.960 ->
+// 0.848 (two; 0.985x its floor), the chain 3.989 -> 3.78; with two stages everywhere qkv was 0.56).
 constexpr int kSliceChunksPerStage = kStageBytes / kRowBytes;  // 16
 template <XLoad XL>
 __host__ __device__ constexpr int slice_stages() { return XL == XLoad::Slice ? 1 : XL == XLoad::Slice2 ? 2 : 0; }
@@ -725,7 +726,7 @@ const DeviceFacts &device_facts();
 bool late_pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
-bool slice_enabled(bool persist, int stages);
+bool slice_enabled(bool persist);
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
@@ -834,8 +835,12 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const bool full = M % kTileM == 0 && K % kChunk == 0;
             // sl: x slices (tiled, one row, x vectorized): the ring stages a warp's k slice needs, 1 or 2
             const int64_t per_slice = ((K + kChunk - 1) / kChunk + KS - 1) / KS;
-            int sl = w_tiled && x_vec && M == 1 ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
-            if (sl > 2 || !slice_enabled(persist != 0, sl)) sl = 0;  // a slice past 32 chunks: x in registers
+            // The persistent SwiGLU keeps x in registers (session 23 on the H200: gate/up alone 1.995 ms, with
+            // slices of one or two ring stages 2.10; the persistent lm_head's argmax gains from its slices:
+            // decode 0.6%, at ctx 8192 1%).
+            const bool slice_ok = w_tiled && x_vec && M == 1 && !(persist && kSwiGLU) && slice_enabled(persist != 0);
+            int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
+            if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2;
             auto *kernel = persist  ? (sl == 1 ? gemm_stream_kernel<KS, E, true, kS, true, FUSE>
                                        : sl == 2 ? gemm_stream_kernel<KS, E, true, kS2, true, FUSE>
