@@ -837,15 +837,19 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const int64_t per_slice = ((K + kChunk - 1) / kChunk + KS - 1) / KS;
             // The persistent SwiGLU keeps x in registers (session 23 on the H200: gate/up alone 1.995 ms, with
             // slices of one or two ring stages 2.10; the persistent lm_head's argmax gains from its slices:
-            // decode 0.6%, at ctx 8192 1%).
-            const bool slice_ok = w_tiled && x_vec && M == 1 && !(persist && kSwiGLU) && slice_enabled(persist != 0);
+            // decode 0.6%, at ctx 8192 1%), so its persistent slice kernels are not built.
+            constexpr bool kPersistSlices = !kSwiGLU;
+            const bool slice_ok = w_tiled && x_vec && M == 1 && (!persist || kPersistSlices) && slice_enabled(persist != 0);
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2;
-            auto *kernel = persist  ? (sl == 1 ? gemm_stream_kernel<KS, E, true, kS, true, FUSE>
-                                       : sl == 2 ? gemm_stream_kernel<KS, E, true, kS2, true, FUSE>
-                                       : full    ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
-                                                 : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+            decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
+            if constexpr (kPersistSlices)
+                persist_slice = sl == 1 ? gemm_stream_kernel<KS, E, true, kS, true, FUSE>
+                                        : gemm_stream_kernel<KS, E, true, kS2, true, FUSE>;
+            auto *kernel = persist  ? (sl      ? persist_slice
+                                       : full  ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                               : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
                            : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
                            : sl == 1  ? gemm_stream_kernel<KS, E, true, kS, false, FUSE>
@@ -901,8 +905,10 @@ void allow_stream_smem() {
     };
     allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, false, FUSE>, stream_smem_bytes<KS, true, false, 1>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, false, FUSE>, stream_smem_bytes<KS, true, false, 2>());
-    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, true, FUSE>, stream_smem_bytes<KS, true, true, 1>());
-    allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, true, FUSE>, stream_smem_bytes<KS, true, true, 2>());
+    if constexpr (E != Epilogue::SwiGLU) {  // launch_gemm's kPersistSlices
+        allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, true, FUSE>, stream_smem_bytes<KS, true, true, 1>());
+        allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, true, FUSE>, stream_smem_bytes<KS, true, true, 2>());
+    }
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
