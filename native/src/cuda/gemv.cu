@@ -79,6 +79,16 @@ bool slice_enabled(bool persist) {
     return on && (!persist || on_persist);
 }
 
+// Tiled GEMMs of 2 rows or more issue x with the weights, in the ring's stages (XLoad::Ring8, Ring16), where
+// DFLASH_GEMM_X_RING=1 (not yet measured on a GPU: off by default).
+bool ring_x_enabled() {
+    static const bool on = [] {
+        const char *v = std::getenv("DFLASH_GEMM_X_RING");
+        return v && v[0] == '1';
+    }();
+    return on;
+}
+
 namespace {
 
 // The k-split (1, 2, 4, 8, at most max_ks) whose grid best fills the resident block slots of the

@@ -150,7 +150,11 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // the wait returns, the warp then runs at one x round trip per two chunks (session 21: the GEMM chain
 // 0.28 ms faster at 1 row with no x loads at all; session 22: three or four register sets ahead did not
 // help). One burst of loads per warp puts every x round trip of the slice into one.
-enum class XLoad { Element, Masked, Full, Slice, Slice2 };
+// Ring8, Ring16 (tiled, M >= 2; DFLASH_GEMM_X_RING=1, not yet the default): each ring stage holds a chunk's
+// weights and its x rows (Ring8: rows g only, M <= 8; Ring16: the tile's 16), issued by cp.async with the
+// weights (rows past M and halves past K zero-filled), so a chunk's x is in flight as long as its weights;
+// the stages this takes leave the ring 4 (Ring8) or 3 (Ring16) chunks deep.
+enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16 };
 
 // XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
 // (32) chunks of one row (128 bytes a chunk), so two blocks still fit on an SM. SL: the ring chunks given.
@@ -160,9 +164,13 @@ enum class XLoad { Element, Masked, Full, Slice, Slice2 };
 constexpr int kSliceChunksPerStage = kStageBytes / kRowBytes;  // 16
 template <XLoad XL>
 __host__ __device__ constexpr int slice_stages() { return XL == XLoad::Slice ? 1 : XL == XLoad::Slice2 ? 2 : 0; }
-template <bool TILED, bool PERSIST = false, int SL = 0>
+template <XLoad XL>
+__host__ __device__ constexpr int ring_x_rows() { return XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0; }
+// XR: x rows per stage (ring_x_rows); the stages then fit in the bytes of the plain ring.
+template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr int ring_stages() {
-    return (PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL;
+    return ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
+           (kStageBytes + XR * kRowBytes);
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -402,14 +410,14 @@ __host__ __device__ constexpr size_t red_bytes() {
 // Dynamic shared memory of gemm_stream_kernel: the warps' rings, reused by finish_tile (PERSIST: the
 // rings, then two buffers of partials, taken by column blocks in turn).
 // SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
-template <int KS, bool TILED, bool PERSIST = false, int SL = 0>
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr size_t slice_offset() {
-    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL>() * kStageBytes;
+    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + XR * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
-template <int KS, bool TILED, bool PERSIST = false, int SL = 0>
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 constexpr size_t stream_smem_bytes() {
-    constexpr size_t bytes = slice_offset<KS, TILED, PERSIST, SL>() + size_t(SL) * kWarps * kStageBytes;
+    constexpr size_t bytes = slice_offset<KS, TILED, PERSIST, SL, XR>() + size_t(SL) * kWarps * kStageBytes;
     static_assert(bytes <= slice_offset<KS, TILED, PERSIST, 0>(),
                   "x slices in place of ring stages: the blocks per SM stay as they were");
     return bytes;
@@ -472,11 +480,17 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr int SL = slice_stages<XL>();
     constexpr bool kSlice = SL > 0;
     static_assert(!kSlice || TILED, "x slices: the tiled kernel (M == 1)");
-    constexpr int S = ring_stages<TILED, PERSIST, SL>();
+    constexpr int XR = ring_x_rows<XL>();
+    constexpr bool kRingX = XR > 0;
+    static_assert(!kRingX || TILED, "x in the ring: the tiled kernel");
+    constexpr bool kXRegs = !kSlice && !kRingX;  // x in registers (xa, xb)
+    constexpr int kStage = kStageBytes + XR * kRowBytes;  // a ring stage: a chunk's weights, then its x rows
+    constexpr int S = ring_stages<TILED, PERSIST, SL, XR>();
+    static_assert(S >= 3, "cp_async_wait<S - 2>: at least one chunk in flight past the one read");
     extern __shared__ __align__(16) unsigned char smem[];
     WarpTile<KS> wt(K, col_blocks);
     wt.template at<kSwiGLU>(blockIdx.y, pair);
-    unsigned char *ring = smem + size_t(wt.warp) * S * kStageBytes;
+    unsigned char *ring = smem + size_t(wt.warp) * S * kStage;
     const int64_t n_chunks = max(int64_t(0), wt.c_end - wt.c_begin);
     const int64_t k_chunks = (K + kChunk - 1) / kChunk;
     // This block's column blocks: blockIdx.y, + gridDim.y, ... (one unless PERSIST). Its warp's chunks
@@ -499,9 +513,20 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // fj of column block f_cb, into ring slot fs; f_col0 its first column.
     int64_t f_cb = blockIdx.y, f_col0 = wt.col0, f_j = 0, filled = 0;
     int fs = 0;
+    // Ring8/16: chunk c0's x rows into the stage after its weights (x_ready: past griddepcontrol.wait).
+    bool x_ready = false;
+    auto fill_x = [&](unsigned char *slot, int64_t c0) {
+#pragma unroll
+        for (int i = 0; i < XR * 8 / 32; ++i) {
+            const int p = wt.lane + 32 * i, r = p >> 3, part = p & 7;
+            const int64_t row = wt.m0 + r, k = c0 + part * 8;
+            const bool ok = row < M && k < K;
+            cp_async16(slot + kStageBytes + ring_offset(r, part), ok ? x + row * ldx + k : x, ok);
+        }
+    };
     auto fill_next = [&]() {
         const int64_t c0 = (wt.c_begin + f_j) * kChunk;
-        unsigned char *slot = ring + fs * kStageBytes;
+        unsigned char *slot = ring + fs * kStage;
         const bool band_ok = f_col0 < N;  // a block's last groups may lie past N
         if constexpr (TILED) {  // one 2 KB tile (band col0 / 16, chunk c_begin + j): piece p at p * 16 bytes
             const bf16 *tile =
@@ -520,6 +545,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 cp_async16(slot + ring_offset(r, part), ok ? w + n * K + k : w, ok);
             }
         }
+        if constexpr (kRingX)
+            if (x_ready) fill_x(slot, c0);
         ++filled;
         fs = fs + 1 == S ? 0 : fs + 1;
         if (PERSIST && ++f_j == n_chunks) {  // on to this block's next column block
@@ -558,6 +585,14 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         __syncwarp();
     }
     int64_t sj = 0;  // Slice: the slice's chunk of the step
+    // Ring8/16: the x of the chunks filled before the wait (sequence positions 0.., slots 0..), one group;
+    // the first step waits for every group (that one was issued last), the rest as before.
+    bool first_step = true;
+    if constexpr (kRingX) {
+        for (int64_t i = 0; i < filled; ++i) fill_x(ring + i * kStage, (wt.c_begin + i % n_chunks) * kChunk);
+        cp_async_commit();
+        x_ready = true;
+    }
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
     // x rows: XRow's divergence-free loads when x is vectorized (every row-major launch); else load16.
@@ -596,10 +631,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // kernel's register budget (3 blocks per SM) holds one chunk ahead: xa, and the next chunk loaded
     // before the mma.
     uint32_t xa[2][8] = {}, xb[2][8] = {};
-    if (!kSlice && x_loaded < total) load_x_next(xa);
-    if (!kSlice && TILED && x_loaded < total) load_x_next(xb);
+    if (kXRegs && x_loaded < total) load_x_next(xa);
+    if (kXRegs && TILED && x_loaded < total) load_x_next(xb);
     bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
-    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStageBytes)
+    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStage)
                          : reinterpret_cast<float *>(smem);
     float *row_scale = nullptr;
     if constexpr (FUSE == kNorm) {  // read by finish_pass after a barrier (finish_tile's, or full[b])
@@ -619,13 +654,18 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         // xc; the next x chunk due goes into xn (tiled: xc itself, after the mma; row-major: a fresh set,
         // before it).
         auto step = [&](uint32_t (&xc)[2][8], uint32_t (&xn)[2][8]) {
-            cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
+            if (kRingX && first_step) {  // the x of the chunks filled before the wait: the last group
+                cp_async_wait<0>();
+                first_step = false;
+            } else {
+                cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
+            }
             __syncwarp();            // ... and every lane's; all are done reading the one before
             if (filled < total) fill_next();  // into the slot read last step
             cp_async_commit();
 
             uint32_t wb[kNt][8];
-            const unsigned char *slot = ring + rs * kStageBytes;
+            const unsigned char *slot = ring + rs * kStage;
             rs = rs + 1 == S ? 0 : rs + 1;
 #pragma unroll
             for (int nt = 0; nt < kNt; ++nt) {
@@ -643,9 +683,19 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 xc[0][4] = v1.x & keep, xc[0][5] = v1.y & keep, xc[0][6] = v1.z & keep, xc[0][7] = v1.w & keep;
                 sj = PERSIST && sj + 1 == n_chunks ? 0 : sj + 1;
             }
-            if (!kSlice && !TILED && x_loaded < total) load_x_next(xn);
+            if constexpr (kRingX) {  // rows g (and g + 8) of the stage's x: zeros past M and K as filled
+                const unsigned char *xs = slot + kStageBytes;
+#pragma unroll
+                for (int r = 0; r < XR / 8; ++r) {
+                    const uint4 v0 = *reinterpret_cast<const uint4 *>(xs + ring_offset(r * 8 + wt.g, 2 * wt.q));
+                    const uint4 v1 = *reinterpret_cast<const uint4 *>(xs + ring_offset(r * 8 + wt.g, 2 * wt.q + 1));
+                    xc[r][0] = v0.x, xc[r][1] = v0.y, xc[r][2] = v0.z, xc[r][3] = v0.w;
+                    xc[r][4] = v1.x, xc[r][5] = v1.y, xc[r][6] = v1.z, xc[r][7] = v1.w;
+                }
+            }
+            if (kXRegs && !TILED && x_loaded < total) load_x_next(xn);
             mma_chunk(acc, xc[0], xc[1], wb);
-            if (!kSlice && TILED && x_loaded < total) load_x_next(xn);
+            if (kXRegs && TILED && x_loaded < total) load_x_next(xn);
         };
         if constexpr (TILED) {
             auto run = [&](uint32_t (&x0)[2][8], uint32_t (&x1)[2][8]) {
@@ -727,6 +777,7 @@ bool late_pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
 bool slice_enabled(bool persist);
+bool ring_x_enabled();
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
@@ -842,27 +893,38 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const bool slice_ok = w_tiled && x_vec && M == 1 && (!persist || kPersistSlices) && slice_enabled(persist != 0);
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
-            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2;
+            // xr: x in the ring (Ring8 / Ring16), opt-in (DFLASH_GEMM_X_RING=1)
+            const int xr = w_tiled && x_vec && M >= 2 && ring_x_enabled() ? (M <= 8 ? 8 : 16) : 0;
+            constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
+                            kR8 = XLoad::Ring8, kR16 = XLoad::Ring16;
             decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
             if constexpr (kPersistSlices)
                 persist_slice = sl == 1 ? gemm_stream_kernel<KS, E, true, kS, true, FUSE>
                                         : gemm_stream_kernel<KS, E, true, kS2, true, FUSE>;
-            auto *kernel = persist  ? (sl      ? persist_slice
-                                       : full  ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
-                                               : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
+            auto *kernel = persist  ? (sl        ? persist_slice
+                                       : xr == 8  ? gemm_stream_kernel<KS, E, true, kR8, true, FUSE>
+                                       : xr == 16 ? gemm_stream_kernel<KS, E, true, kR16, true, FUSE>
+                                       : full     ? gemm_stream_kernel<KS, E, true, kF, true, FUSE>
+                                                  : gemm_stream_kernel<KS, E, true, kM, true, FUSE>)
                            : !w_tiled ? (full ? gemm_stream_kernel<KS, E, false, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
                            : sl == 1  ? gemm_stream_kernel<KS, E, true, kS, false, FUSE>
                            : sl == 2  ? gemm_stream_kernel<KS, E, true, kS2, false, FUSE>
+                           : xr == 8  ? gemm_stream_kernel<KS, E, true, kR8, false, FUSE>
+                           : xr == 16 ? gemm_stream_kernel<KS, E, true, kR16, false, FUSE>
                            : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
                                               : gemm_stream_kernel<KS, E, true, kM, false, FUSE>)
                                       : gemm_stream_kernel<KS, E, true, XLoad::Element, false, FUSE>;
             // persist: tiled with vectorized x (persistent_blocks' caller), one wave of blocks
             const size_t smem = persist   ? (sl == 1   ? stream_smem_bytes<KS, true, true, 1>()
                                              : sl == 2 ? stream_smem_bytes<KS, true, true, 2>()
+                                             : xr == 8 ? stream_smem_bytes<KS, true, true, 0, 8>()
+                                             : xr == 16 ? stream_smem_bytes<KS, true, true, 0, 16>()
                                                        : stream_smem_bytes<KS, true, true>())
                                 : sl == 1 ? stream_smem_bytes<KS, true, false, 1>()
                                 : sl == 2 ? stream_smem_bytes<KS, true, false, 2>()
+                                : xr == 8 ? stream_smem_bytes<KS, true, false, 0, 8>()
+                                : xr == 16 ? stream_smem_bytes<KS, true, false, 0, 16>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
@@ -909,6 +971,10 @@ void allow_stream_smem() {
         allow(gemm_stream_kernel<KS, E, true, XLoad::Slice, true, FUSE>, stream_smem_bytes<KS, true, true, 1>());
         allow(gemm_stream_kernel<KS, E, true, XLoad::Slice2, true, FUSE>, stream_smem_bytes<KS, true, true, 2>());
     }
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Ring8, false, FUSE>, stream_smem_bytes<KS, true, false, 0, 8>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, false, FUSE>, stream_smem_bytes<KS, true, false, 0, 16>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Ring8, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 8>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 16>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
