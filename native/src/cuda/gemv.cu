@@ -79,14 +79,21 @@ bool slice_enabled(bool persist) {
     return on && (!persist || on_persist);
 }
 
-// Tiled GEMMs of 2 rows or more issue x with the weights, in the ring's stages (XLoad::Ring8, Ring16), where
-// DFLASH_GEMM_X_RING=1 (not yet measured on a GPU: off by default).
-bool ring_x_enabled() {
-    static const bool on = [] {
+// Tiled GEMMs of 2 rows or more issue x with the weights, in the ring's stages (XLoad::Ring8 where M <= 8,
+// Ring16 past that). DFLASH_GEMM_X_RING=MASK picks where: 1 Ring8, 2 Ring16 in plain launches without a folded
+// norm, 4 Ring16 in plain launches with one (kNorm), 8 Ring16 in persistent launches (15 everywhere, 0
+// nowhere). The default, 3, is what won on the H200 (session 24, gemm_chain_bench over 36 layers): at 7 rows
+// every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
+// but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.229 -> 5.150 ms.
+int ring_x_choice(int64_t M, bool persist, bool norm) {
+    static const int mask = [] {
         const char *v = std::getenv("DFLASH_GEMM_X_RING");
-        return v && v[0] == '1';
+        return v && *v ? std::atoi(v) : 3;
     }();
-    return on;
+    if (M < 2) return 0;
+    if (M <= 8) return mask & 1 ? 8 : 0;
+    const int bit = persist ? 8 : norm ? 4 : 2;
+    return mask & bit ? 16 : 0;
 }
 
 namespace {

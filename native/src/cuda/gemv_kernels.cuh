@@ -150,7 +150,7 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // the wait returns, the warp then runs at one x round trip per two chunks (session 21: the GEMM chain
 // 0.28 ms faster at 1 row with no x loads at all; session 22: three or four register sets ahead did not
 // help). One burst of loads per warp puts every x round trip of the slice into one.
-// Ring8, Ring16 (tiled, M >= 2; DFLASH_GEMM_X_RING=1, not yet the default): each ring stage holds a chunk's
+// Ring8, Ring16 (tiled, M >= 2; where ring_x_choice says so): each ring stage holds a chunk's
 // weights and its x rows (Ring8: rows g only, M <= 8; Ring16: the tile's 16), issued by cp.async with the
 // weights (rows past M and halves past K zero-filled), so a chunk's x is in flight as long as its weights;
 // the stages this takes leave the ring 4 (Ring8) or 3 (Ring16) chunks deep.
@@ -777,7 +777,7 @@ bool late_pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
 bool slice_enabled(bool persist);
-bool ring_x_enabled();
+int ring_x_choice(int64_t M, bool persist, bool norm);
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
@@ -893,8 +893,8 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const bool slice_ok = w_tiled && x_vec && M == 1 && (!persist || kPersistSlices) && slice_enabled(persist != 0);
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
-            // xr: x in the ring (Ring8 / Ring16), opt-in (DFLASH_GEMM_X_RING=1)
-            const int xr = w_tiled && x_vec && M >= 2 && ring_x_enabled() ? (M <= 8 ? 8 : 16) : 0;
+            // xr: x in the ring (Ring8 / Ring16; ring_x_choice)
+            const int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
                             kR8 = XLoad::Ring8, kR16 = XLoad::Ring16;
             decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
