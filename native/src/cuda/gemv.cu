@@ -84,12 +84,19 @@ bool slice_enabled(bool persist) {
 // norm, 4 Ring16 in plain launches with one (kNorm), 8 Ring16 in persistent launches (15 everywhere, 0
 // nowhere). The default, 3, is what won on the H200 (session 24, gemm_chain_bench over 36 layers): at 7 rows
 // every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
-// but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.229 -> 5.150 ms.
+// but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
+// A value that is not a mask (0 to 15) fails every call, as DFLASH_ATTN_FILL does.
 int ring_x_choice(int64_t M, bool persist, bool norm) {
-    static const int mask = [] {
+    static const int mask = [] {  // -1: a bad value
         const char *v = std::getenv("DFLASH_GEMM_X_RING");
-        return v && *v ? std::atoi(v) : 3;
+        if (!v || !*v) return 3;
+        char *end = nullptr;
+        const long n = std::strtol(v, &end, 10);
+        return *end == '\0' && n >= 0 && n <= 15 ? int(n) : -1;
     }();
+    if (mask < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_GEMM_X_RING=", std::getenv("DFLASH_GEMM_X_RING"),
+             " is not a mask (0 to 15)");
     if (M < 2) return 0;
     if (M <= 8) return mask & 1 ? 8 : 0;
     const int bit = persist ? 8 : norm ? 4 : 2;
