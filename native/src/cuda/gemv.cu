@@ -103,6 +103,24 @@ int ring_x_choice(int64_t M, bool persist, bool norm) {
     return mask & bit ? 16 : 0;
 }
 
+// Where a folded norm's row factors are computed (gemm_stream_kernel's late_scales): after the k loop, not
+// before it. DFLASH_GEMM_LATE_SCALES=MASK: 1 in persistent launches (after the first column block's k loop),
+// 2 in the others (after the k loop, before the epilogue's barrier); 0 before the k loop everywhere. The sums
+// are the same either way. A value that is not a mask (0 to 3) fails every call.
+bool late_scales_at(bool persist) {
+    static const int mask = [] {  // -1: a bad value
+        const char *v = std::getenv("DFLASH_GEMM_LATE_SCALES");
+        if (!v || !*v) return 3;
+        char *end = nullptr;
+        const long n = std::strtol(v, &end, 10);
+        return *end == '\0' && n >= 0 && n <= 3 ? int(n) : -1;
+    }();
+    if (mask < 0)
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_GEMM_LATE_SCALES=", std::getenv("DFLASH_GEMM_LATE_SCALES"),
+             " is not a mask (0 to 3)");
+    return mask & (persist ? 1 : 2);
+}
+
 namespace {
 
 // The k-split (1, 2, 4, 8, at most max_ks) whose grid best fills the resident block slots of the

@@ -465,7 +465,8 @@ __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
-                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out) {
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
+                   bool late_scales) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
@@ -636,15 +637,24 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
     float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStage)
                          : reinterpret_cast<float *>(smem);
+    // kNorm: the rows' factors, read by finish_pass after a barrier (finish_tile's, or full[b]). Only the
+    // epilogue reads them, so with late_scales (late_scales_at) they are computed after the k loop (a persistent
+    // launch: its first column block's, while the ring streams the next one's chunks) instead of here, where
+    // row_scales' round trip stalls every warp's stream right after the wait. The same sums either way.
     float *row_scale = nullptr;
-    if constexpr (FUSE == kNorm) {  // read by finish_pass after a barrier (finish_tile's, or full[b])
-        __shared__ float scales[kTileM];
-        if constexpr (kExp & kExpNoRowScales) {
-            if (threadIdx.x < kTileM) scales[threadIdx.x] = 1.f;
-        } else {
-            row_scales(ss_in, wt.m0, M, K, norm_eps, scales);
+    auto compute_scales = [&]() {
+        if constexpr (FUSE == kNorm) {
+            if constexpr (kExp & kExpNoRowScales) {
+                if (threadIdx.x < kTileM) row_scale[threadIdx.x] = 1.f;
+            } else {
+                row_scales(ss_in, wt.m0, M, K, norm_eps, row_scale);
+            }
         }
+    };
+    if constexpr (FUSE == kNorm) {
+        __shared__ float scales[kTileM];
         row_scale = scales;
+        if (!late_scales) compute_scales();
     }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
@@ -729,6 +739,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             constexpr int64_t kRedFloats = int64_t(red_bytes<KS>() / sizeof(float));
             const int b = int(t & 1);
             float *mine = red + b * kRedFloats, *prev = red + (b ^ 1) * kRedFloats;
+            if (late_scales && t == 0) compute_scales();  // published by full[0]'s arrivals below
             if (t >= 2) mbar_wait(&persist_bars[2 + b], unsigned(t - 2) >> 1 & 1u);  // column block t - 2's pass
             stash_partials<KS>(wt, acc, mine);
             mbar_arrive(&persist_bars[b]);
@@ -746,6 +757,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                                          logits_out, partial, pair, row_scale, accumulate, ss_out);
             }
         } else {
+            if (late_scales) compute_scales();  // published by the barrier below
             cp_async_wait<0>();
             __syncthreads();  // every warp is done with its ring: finish_tile reuses the memory
             if (late_trigger) pdl_launch_dependents();
@@ -778,6 +790,7 @@ unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
 bool slice_enabled(bool persist);
 int ring_x_choice(int64_t M, bool persist, bool norm);
+bool late_scales_at(bool persist);
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
 // 8 warps own kWarps / ks * 16 columns. A function of N, K, the weight's layout and the device
@@ -929,7 +942,8 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
                    multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
-                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out);
+                   fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
+                   FUSE == kNorm && late_scales_at(persist != 0));
         } else if constexpr (!kSwiGLU && FUSE == kPlain) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
