@@ -259,8 +259,28 @@ __device__ __forceinline__ void mma_chunk(float acc[kNt][4], const uint32_t x0[8
 // A folded norm (kNorm) takes its rows' sums of squares from the GEMM that wrote x (GemmFuse::ss_in:
 // parts of 16 columns), not from its own k loop: summing them with two more mma per k step made the
 // q/k/v and gate/up GEMMs 13-14% slower on the H200 (session 14). row_scale: the tile's factors
-// rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly:
-// the same order for every row whatever M is); rows past M get 0 (never stored).
+// rsqrt(sum / K + eps), one warp per row (lanes take parts lane, lane + 32, ..., then a butterfly: the same
+// order for every row whatever M is); rows past M get 0 (never stored).
+// The lane's parts of row m from p_first on (p_first, p_first + 32, ...), added to sum in that order, eight
+// loads in flight before their adds (after pdl_wait; one round trip per 256 parts: at K 4096 the lane's share).
+constexpr int kScaleBatch = 8;
+__device__ __forceinline__ void add_ss_parts(const float *ss_in, int64_t m, int64_t parts, int64_t p_first,
+                                             float &sum) {
+    for (int64_t p0 = p_first; p0 < parts; p0 += 32 * kScaleBatch) {
+        float v[kScaleBatch];
+#pragma unroll
+        for (int i = 0; i < kScaleBatch; ++i)
+            v[i] = p0 + 32 * i < parts ? load_act_f32(ss_in + m * parts + p0 + 32 * i) : 0.f;
+#pragma unroll
+        for (int i = 0; i < kScaleBatch; ++i)
+            if (p0 + 32 * i < parts) sum += v[i];
+    }
+}
+__device__ __forceinline__ float row_scale_of(float sum, int64_t m, int64_t M, int64_t K, float eps) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
+}
 __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64_t M, int64_t K, float eps,
                                            float *row_scale) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -268,22 +288,38 @@ __device__ __forceinline__ void row_scales(const float *ss_in, int64_t m0, int64
     for (int r = warp; r < kTileM; r += kWarps) {
         const int64_t m = m0 + r;
         float sum = 0.f;
-        // after pdl_wait; eight loads in flight before their adds (one round trip per 256 parts: at K 4096
-        // the lane's whole share), added in the order p = lane, lane + 32, ...
-        constexpr int kBatch = 8;
-        for (int64_t p0 = lane; m < M && p0 < parts; p0 += 32 * kBatch) {
-            float v[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i)
-                v[i] = p0 + 32 * i < parts ? load_act_f32(ss_in + m * parts + p0 + 32 * i) : 0.f;
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i)
-                if (p0 + 32 * i < parts) sum += v[i];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) row_scale[r] = m < M ? rsqrtf(sum / float(K) + eps) : 0.f;
+        if (m < M) add_ss_parts(ss_in, m, parts, lane, sum);
+        const float f = row_scale_of(sum, m, M, K, eps);
+        if (lane == 0) row_scale[r] = f;
     }
+}
+// The same for a tile of one row (M == 1: the x slices), in two parts, so the caller can put the first loads
+// in flight with its own: row_scales1_issue loads the lane's first kScaleBatch parts of row 0 (warp 0; at
+// K 4096 the whole row), row_scales1_finish adds them and any further parts; rows 1.. get 0.
+struct RowScaleLoads {
+    float v[kScaleBatch];
+};
+__device__ __forceinline__ void row_scales1_issue(const float *ss_in, int64_t K, RowScaleLoads &l) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t parts = ss_parts(K);
+#pragma unroll
+    for (int i = 0; i < kScaleBatch; ++i)
+        l.v[i] = warp == 0 && lane + 32 * i < parts ? load_act_f32(ss_in + lane + 32 * i) : 0.f;
+}
+__device__ __forceinline__ void row_scales1_finish(const float *ss_in, int64_t K, float eps, const RowScaleLoads &l,
+                                                   float *row_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t parts = ss_parts(K);
+    if (warp == 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < kScaleBatch; ++i)
+            if (lane + 32 * i < parts) sum += l.v[i];
+        add_ss_parts(ss_in, 0, parts, lane + 32 * kScaleBatch, sum);
+        const float f = row_scale_of(sum, 0, 1, K, eps);
+        if (lane == 0) row_scale[0] = f;
+    }
+    for (int r = threadIdx.x + 1; r < kTileM; r += blockDim.x) row_scale[r] = 0.f;
 }
 
 // The end of both kernels, in two parts. stash_partials: each warp's per-slice sums into shared memory
@@ -569,6 +605,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if constexpr (!(kExp & kExpNoWait)) pdl_wait();
     // Slice: the warp's k slice of row 0 (M == 1), all its loads in flight at once, into shared memory.
     unsigned char *xslice = smem + slice_offset<KS, TILED, PERSIST, SL>() + size_t(wt.warp) * SL * kStageBytes;
+    // kNorm with slices, factors before the k loop: row 0's row_scales loads go out with the slice's, one round
+    // trip instead of two (a slice means M == 1: the other rows get 0 without a load).
+    [[maybe_unused]] RowScaleLoads early_scales;
+    const bool scales_with_slice = kSlice && FUSE == kNorm && !(kExp & kExpNoRowScales) && !late_scales;
     if constexpr (kSlice) {
         constexpr int kPer = SL * kStageBytes / 16 / 32;  // 16-byte pieces per lane
         const int64_t k_lo = wt.c_begin * kChunk;
@@ -580,6 +620,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             const int64_t k = k_lo + int64_t(p) * 8;
             v[i] = p < n_pieces && k < K ? load_act16(x + k) : make_uint4(0, 0, 0, 0);
         }
+        if (scales_with_slice) row_scales1_issue(ss_in, K, early_scales);
 #pragma unroll
         for (int i = 0; i < kPer; ++i)
             if (wt.lane + 32 * i < n_pieces) *reinterpret_cast<uint4 *>(xslice + (wt.lane + 32 * i) * 16) = v[i];
@@ -654,7 +695,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if constexpr (FUSE == kNorm) {
         __shared__ float scales[kTileM];
         row_scale = scales;
-        if (!late_scales) compute_scales();
+        if (scales_with_slice)
+            row_scales1_finish(ss_in, K, norm_eps, early_scales, row_scale);
+        else if (!late_scales)
+            compute_scales();
     }
     int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
