@@ -686,37 +686,23 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
-constexpr int kCombineThreads = 128;
-constexpr int kCombinePreload = 32;  // splits whose partial outputs the combine loads with the split records
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
 // chunk lies past the last key wrote nothing) and writes bf16. The split weights exp(m_s - max) are computed once,
-// in parallel, into shared memory; then each thread sums its dims over the splits. A thread's first dim's
-// partials of the first kCombinePreload splits are loaded together with the split records, before the weights
-// are known, and the key count (which sets the splits) before the wait where it is settled, so a decode or
-// verify call's combine (17 splits at ctx 1024) waits on one global round trip after the wait, not three; the
-// sums are the same (the same fmaf chain in split order).
-__global__ void __launch_bounds__(kCombineThreads)
-attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits, PagedKeys keys,
-                         int64_t chunk_keys, int nq, int n_heads, int hd, bf16 *out) {
-    pdl_launch_dependents();
-    // The key count before the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it).
-    const bool early = keys.fresh_keys >= 0;
-    int64_t n_keys = early ? key_count(keys) : 0;
-    pdl_wait();
-    if (!early) n_keys = key_count(keys);
+// in parallel, into shared memory; then each thread sums its dims over the splits with independent
+// loads.
+__global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
+                                         PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
+                                         bf16 *out) {
+    pdl_prologue();
     __shared__ float weight_s[kMaxSplits], l_s[kMaxSplits];
     __shared__ float scratch[32];
-    const int splits = int(min(int64_t(grid_splits), (n_keys + chunk_keys - 1) / chunk_keys));
+    const int splits = int(min(int64_t(grid_splits), (key_count(keys) + chunk_keys - 1) / chunk_keys));
     const int64_t idx = blockIdx.x;  // row * n_heads + head
     const int64_t stride = int64_t(nq) * n_heads;
-    const int d0 = threadIdx.x;  // the thread's first dim
-    float pre[kCombinePreload];
-#pragma unroll
-    for (int sp = 0; sp < kCombinePreload; ++sp)
-        pre[sp] = d0 < hd && sp < splits ? out_part[(sp * stride + idx) * hd + d0] : 0.f;
-    // The split records read once, the maximum over the block, then each split's weight exp(m_s - max); the
-    // total sum in split order by every thread (from shared memory).
+    // The split records read once (one global round trip), the maximum over the block, then each split's
+    // weight exp(m_s - max); the total sum in split order by every thread (from shared memory), so the
+    // output dims' loads are the only other round trip.
     float best = -INFINITY;
     for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
         const Split part = ml_part[sp * stride + idx];
@@ -732,17 +718,11 @@ attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_s
     __syncthreads();
     float total = 0.f;
     for (int sp = 0; sp < splits; ++sp) total = fmaf(l_s[sp], weight_s[sp], total);
-    for (int d = d0; d < hd; d += blockDim.x) {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-        int sp = 0;
-        if (d == d0) {
-#pragma unroll
-            for (int i = 0; i < kCombinePreload; ++i)
-                if (i < splits) acc = fmaf(pre[i], weight_s[i], acc);
-            sp = min(splits, kCombinePreload);
-        }
 #pragma unroll 16
-        for (; sp < splits; ++sp) acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
+        for (int sp = 0; sp < splits; ++sp)
+            acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
 }
@@ -944,7 +924,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
-    launch(attention_combine_kernel, unsigned(nq * n_heads), kCombineThreads, 0, s,
+    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
         out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
 
