@@ -688,20 +688,15 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
-// chunk lies past the last key wrote nothing) and writes bf16. The split weights exp(m_s - max) are computed once,
-// in parallel, into shared memory; then each thread sums its dims over the splits with independent
-// loads.
-// Under test (DFLASH_ATTN_COMBINE, combine_variant()): EARLY reads the key count (which sets the splits) before
-// the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it); PRE > 0 loads a thread's
-// first dim's partials of the first PRE splits together with the split records, before the weights are known.
-// The sums are the same either way (the same fmaf chains in split order).
-constexpr int kCombineThreads = 128;
-template <bool EARLY, int PRE>
-__global__ void __launch_bounds__(kCombineThreads)
-attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits, PagedKeys keys,
-                         int64_t chunk_keys, int nq, int n_heads, int hd, bf16 *out) {
+// chunk lies past the last key wrote nothing) and writes bf16. The key count (which sets the splits) is read
+// before the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it), so the split records
+// are the first round trip after it. The split weights exp(m_s - max) are computed once, in parallel, into
+// shared memory; then each thread sums its dims over the splits with independent loads.
+__global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
+                                         PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
+                                         bf16 *out) {
     pdl_launch_dependents();
-    const bool early = EARLY && keys.fresh_keys >= 0;
+    const bool early = keys.fresh_keys >= 0;
     int64_t n_keys = early ? key_count(keys) : 0;
     pdl_wait();
     if (!early) n_keys = key_count(keys);
@@ -710,14 +705,11 @@ attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_s
     const int splits = int(min(int64_t(grid_splits), (n_keys + chunk_keys - 1) / chunk_keys));
     const int64_t idx = blockIdx.x;  // row * n_heads + head
     const int64_t stride = int64_t(nq) * n_heads;
-    const int d0 = threadIdx.x;  // the thread's first dim
-    [[maybe_unused]] float pre[PRE > 0 ? PRE : 1];
-#pragma unroll
-    for (int sp = 0; sp < PRE; ++sp)
-        pre[sp] = d0 < hd && sp < splits ? out_part[(sp * stride + idx) * hd + d0] : 0.f;
     // The split records read once (one global round trip), the maximum over the block, then each split's
     // weight exp(m_s - max); the total sum in split order by every thread (from shared memory), so the
-    // output dims' loads are the only other round trip.
+    // output dims' loads are the only other round trip. (Those loads issued with the split records, before
+    // the weights are known, measured no faster on the H200: 32 splits' worth took the kernel from 34 to 128
+    // registers and the whole step 1.2% slower, 16 splits' were no faster than none; session 25 runs 3-4.)
     float best = -INFINITY;
     for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
         const Split part = ml_part[sp * stride + idx];
@@ -733,34 +725,13 @@ attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_s
     __syncthreads();
     float total = 0.f;
     for (int sp = 0; sp < splits; ++sp) total = fmaf(l_s[sp], weight_s[sp], total);
-    for (int d = d0; d < hd; d += blockDim.x) {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-        int sp = 0;
-        if (PRE > 0 && d == d0) {
-#pragma unroll
-            for (int i = 0; i < PRE; ++i)
-                if (i < splits) acc = fmaf(pre[i], weight_s[i], acc);
-            sp = min(splits, PRE);
-        }
 #pragma unroll 16
-        for (; sp < splits; ++sp) acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
+        for (int sp = 0; sp < splits; ++sp)
+            acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
-}
-
-// DFLASH_ATTN_COMBINE=N (read once; under test): 0 the combine as it was (default), 1 EARLY, 2 EARLY with 16
-// preloaded splits, 3 EARLY with 32, 4 32 preloaded without EARLY.
-int combine_variant() {
-    static const int v = [] {
-        const char *e = std::getenv("DFLASH_ATTN_COMBINE");
-        if (!e || !*e) return 0;
-        char *end = nullptr;
-        const long n = std::strtol(e, &end, 10);
-        return *end == '\0' && n >= 0 && n <= 4 ? int(n) : -1;
-    }();
-    if (v < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_COMBINE=", std::getenv("DFLASH_ATTN_COMBINE"), " (0 to 4)");
-    return v;
 }
 
 struct Plan {
@@ -960,17 +931,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
-    auto combine = [&](auto kernel) {
-        launch(kernel, unsigned(nq * n_heads), kCombineThreads, 0, s, out_part, ml_part, p.splits, keys,
-               p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
-    };
-    switch (combine_variant()) {
-    case 1: combine(attention_combine_kernel<true, 0>); break;
-    case 2: combine(attention_combine_kernel<true, 16>); break;
-    case 3: combine(attention_combine_kernel<true, 32>); break;
-    case 4: combine(attention_combine_kernel<false, 32>); break;
-    default: combine(attention_combine_kernel<false, 0>); break;
-    }
+    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
+        out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
 
 }  // namespace cuda
