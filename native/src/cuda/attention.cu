@@ -709,7 +709,7 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
     // weight exp(m_s - max); the total sum in split order by every thread (from shared memory), so the
     // output dims' loads are the only other round trip. (Those loads issued with the split records, before
     // the weights are known, measured no faster on the H200: 32 splits' worth took the kernel from 34 to 128
-    // registers and the whole step 1.2% slower, 16 splits' were no faster than none; session 25 runs 3-4.)
+    // registers and the whole step 1.2% slower, 16 splits' were no faster than none; session 25 runs 4-5.)
     float best = -INFINITY;
     for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
         const Split part = ml_part[sp * stride + idx];
