@@ -760,17 +760,8 @@ struct Plan {
 // DFLASH_ATTN_FILL=N (read once) aims at N blocks instead of 264: a test forces few splits, so each
 // split reads many chunks at short contexts.
 int64_t fill_blocks() {
-    static const int64_t blocks = [] {
-        const char *v = std::getenv("DFLASH_ATTN_FILL");
-        if (!v || !*v) return int64_t(264);
-        char *end = nullptr;
-        const long n = std::strtol(v, &end, 10);
-        return *end == '\0' && n > 0 && n <= 1 << 20 ? int64_t(n) : int64_t(-1);
-    }();
-    if (blocks < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_FILL=", std::getenv("DFLASH_ATTN_FILL"),
-             " is not a block count (1 to 1048576)");
-    return blocks;
+    static const EnvInt setting = env_int("DFLASH_ATTN_FILL", 264, 1, 1 << 20);
+    return env_value(setting, "DFLASH_ATTN_FILL", "is not a block count (1 to 1048576)");
 }
 
 int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles) {

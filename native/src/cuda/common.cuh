@@ -240,6 +240,25 @@ inline bool env_switch_on(const char *name) {
     return !(v && v[0] == '0');
 }
 
+// A whole-number setting of the environment: `fallback` where unset or empty, the number where it is one in
+// [lo, hi], else not ok. Callers read it once (a function-local static) and pass it through env_value at every
+// call, so a bad value fails every call, with DFLASH_STATUS_INVALID_ARGUMENT naming the variable and `what`.
+struct EnvInt {
+    int64_t value;
+    bool ok;
+};
+inline EnvInt env_int(const char *name, int64_t fallback, int64_t lo, int64_t hi) {
+    const char *v = std::getenv(name);
+    if (!v || !*v) return {fallback, true};
+    char *end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    return *end == '\0' && n >= lo && n <= hi ? EnvInt{int64_t(n), true} : EnvInt{0, false};
+}
+inline int64_t env_value(const EnvInt &e, const char *name, const char *what) {
+    if (!e.ok) fail(DFLASH_STATUS_INVALID_ARGUMENT, name, "=", std::getenv(name), " ", what);
+    return e.value;
+}
+
 // Whether launches on the current device use programmatic stream serialization: compute
 // capability 9.0 or newer, unless DFLASH_PDL=0.
 bool pdl_enabled();

@@ -87,16 +87,8 @@ bool slice_enabled(bool persist) {
 // but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
 // A value that is not a mask (0 to 15) fails every call, as DFLASH_ATTN_FILL does.
 int ring_x_choice(int64_t M, bool persist, bool norm) {
-    static const int mask = [] {  // -1: a bad value
-        const char *v = std::getenv("DFLASH_GEMM_X_RING");
-        if (!v || !*v) return 3;
-        char *end = nullptr;
-        const long n = std::strtol(v, &end, 10);
-        return *end == '\0' && n >= 0 && n <= 15 ? int(n) : -1;
-    }();
-    if (mask < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_GEMM_X_RING=", std::getenv("DFLASH_GEMM_X_RING"),
-             " is not a mask (0 to 15)");
+    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 15);
+    const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 15)");
     if (M < 2) return 0;
     if (M <= 8) return mask & 1 ? 8 : 0;
     const int bit = persist ? 8 : norm ? 4 : 2;
@@ -113,17 +105,9 @@ int ring_x_choice(int64_t M, bool persist, bool norm) {
 // 0.534 -> 0.585 ms at 1 row, 0.641 -> 0.670 at 7, 0.647-0.657 -> 0.675 at 16). A value that is not a mask
 // (0 to 3) fails every call.
 bool late_scales_at(bool persist) {
-    static const int mask = [] {  // -1: a bad value
-        const char *v = std::getenv("DFLASH_GEMM_LATE_SCALES");
-        if (!v || !*v) return 1;
-        char *end = nullptr;
-        const long n = std::strtol(v, &end, 10);
-        return *end == '\0' && n >= 0 && n <= 3 ? int(n) : -1;
-    }();
-    if (mask < 0)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_GEMM_LATE_SCALES=", std::getenv("DFLASH_GEMM_LATE_SCALES"),
-             " is not a mask (0 to 3)");
-    return mask & (persist ? 1 : 2);
+    static const EnvInt setting = env_int("DFLASH_GEMM_LATE_SCALES", 1, 0, 3);
+    const int64_t mask = env_value(setting, "DFLASH_GEMM_LATE_SCALES", "is not a mask (0 to 3)");
+    return (mask & (persist ? 1 : 2)) != 0;
 }
 
 namespace {
