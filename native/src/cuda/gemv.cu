@@ -99,11 +99,11 @@ int ring_x_choice(int64_t M, bool persist, bool norm) {
 // before it, where row_scales' round trip holds up every warp's stream right after the wait.
 // DFLASH_GEMM_LATE_SCALES=MASK: 1 in persistent launches (after the first column block's k loop, while the ring
 // streams the next one's chunks), 2 in the others (after the k loop, before the epilogue's barrier); 0 before
-// the k loop everywhere. The sums are the same either way. The default, 1, is what won on the H200 (session 25,
-// gemm_chain_bench --only, 36 layers; 0 / 1 / 3): the persistent gate/up 2.068-2.074 -> 2.015-2.017 ms at 16
-// rows, 1.981-1.986 -> 1.948-1.951 at 1 row; the plain q/k/v lost with 2 (a round trip on the tail instead:
-// 0.534 -> 0.585 ms at 1 row, 0.641 -> 0.670 at 7, 0.647-0.657 -> 0.675 at 16). A value that is not a mask
-// (0 to 3) fails every call.
+// the k loop everywhere. The sums are the same either way. The default, 1, is what won on the H200 (session 25
+// run 1, gemm_chain_bench --only, 36 layers, before the loop -> after it): the persistent gate/up
+// 2.068-2.074 -> 2.015-2.017 ms at 16 rows, 1.981-1.986 -> 1.948-1.951 at 1 row; the plain q/k/v lost with 2
+// (a round trip on the tail instead: 0.534 -> 0.585 ms at 1 row, 0.641 -> 0.670 at 7, 0.647-0.657 -> 0.675 at
+// 16). A value that is not a mask (0 to 3) fails every call.
 bool late_scales_at(bool persist) {
     static const EnvInt setting = env_int("DFLASH_GEMM_LATE_SCALES", 1, 0, 3);
     const int64_t mask = env_value(setting, "DFLASH_GEMM_LATE_SCALES", "is not a mask (0 to 3)");
