@@ -131,12 +131,14 @@ class Stream:
         return 2 * nbytes / (ms / 1e3)
 
 
-PROFILE = {"on": False, "tables": {}}  # --profile: a per-kernel table of a few steps of each row
+PROFILE = {"on": False, "tables": {}, "timeline": False, "timelines": {}}  # --profile / --timeline: a few steps of each row
 
 
 def profile_steps(key, step, steps=5):
     """Per-kernel GPU time over `steps` steps (torch.profiler's CUPTI sees every kernel in the process, ours
     included), as rows {kernel, calls, total_us, per_step_us}, sorted by time."""
+    if PROFILE["timeline"]:
+        timeline_steps(key, step)
     if not PROFILE["on"]:
         return
     import torch
@@ -163,6 +165,147 @@ def profile_steps(key, step, steps=5):
           f"{sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
     for r in table[:12]:
         print(f"    {r['per_step_us']:9.1f} us  {r['calls_per_step']:5.1f}x  {r['kernel']}", flush=True)
+
+
+def timeline_steps(key, step, steps=20):
+    """--timeline: how much of a timed step is the GPU waiting for the host. time_ms records its start event on an
+    idle GPU, so the step's time includes the host's work before its first kernel runs (Python, the uploads, the
+    eager launches, the graph launch). Here a 2 ms sleep kernel goes first (torch.cuda._sleep on our stream), the
+    start event after it, so the host has queued the step's launches before the GPU reaches them: that time is
+    the GPU's own (plus the host's tail after the download: the same in both). Prints both medians and the
+    difference, the host's share at the step's start. (CUPTI tracing was tried first: it slows graph launches by
+    hundreds of us, so it cannot show this.)"""
+    import torch
+    from cuda.bindings import runtime as rt
+
+    stream = PROFILE["stream"]
+    torch_stream = torch.cuda.ExternalStream(int(stream))
+    cycles = int(2e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3) if hasattr(
+        torch.cuda.get_device_properties(0), "clock_rate") else 4_000_000
+    _, e0 = rt.cudaEventCreate()
+    _, e1 = rt.cudaEventCreate()
+    plain, queued, host = [], [], []
+    for i in range(2 * steps):
+        rt.cudaStreamSynchronize(stream)
+        if i % 2:
+            with torch.cuda.stream(torch_stream):
+                torch.cuda._sleep(cycles)
+        rt.cudaEventRecord(e0, stream)
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e6)
+        rt.cudaEventRecord(e1, stream)
+        rt.cudaEventSynchronize(e1)
+        (queued if i % 2 else plain).append(rt.cudaEventElapsedTime(e0, e1)[1] * 1e3)
+    rt.cudaEventDestroy(e0)
+    rt.cudaEventDestroy(e1)
+    p, q, h = float(np.median(plain)), float(np.median(queued)), float(np.median(host[0::2]))
+    PROFILE["timelines"][key] = {"plain_us": p, "prequeued_us": q, "host_share_us": p - q, "host_wall_us": h,
+                                 "sleep_cycles": cycles}
+    print(f"  {key}: {p:.1f} us timed as bench times it, {q:.1f} us with its launches queued behind a sleep: "
+          f"{p - q:.1f} us ({(p - q) / p:.1%}) of GPU idle waiting for the host at the start "
+          f"(the step's host wall time {h:.1f} us)", flush=True)
+    critical_path(key, step)
+
+
+def short_kernel(name):
+    """A kernel's name without namespaces and arguments; templates kept (they tell the GEMM families apart)."""
+    name = name.replace("dflash::cuda::", "").replace("(anonymous namespace)::", "")
+    depth, out = 0, []
+    for ch in name:  # cut at the argument list: the first '(' outside template brackets
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            break
+        out.append(ch)
+    return "".join(out).replace("(dflash::cuda::", "(").replace("dflash::cuda::", "")[:70]
+
+
+def critical_path(key, step, steps=6):
+    """--timeline, second part: each kernel's share of a step's critical path, from CUPTI (torch.profiler) records
+    of a few steps. Activities sorted by end (stream order; under PDL a kernel starts early but ends after its
+    predecessor): kernel i's share is end_i - max(start_i, end_(i-1)), the time the step's end moved because of
+    it; a gap is start_i - end_(i-1) where positive. Per position in the step (the same sequence every step):
+    the median over the steps; then per position in a layer, the median over the middle layers (the period of the
+    kernel names). CUPTI slows graph launches (the gap before a graph's first kernel is the tracer's), not the
+    kernels inside them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            time.sleep(0.003)  # steps split at these gaps
+            step()
+        torch.cuda.synchronize()
+    acts = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA"), key=lambda a: (a[1], a[0]))
+    groups, cur = [], []
+    for a in acts:
+        if cur and a[0] - cur[-1][1] > 2000:
+            groups.append(cur)
+            cur = []
+        cur.append(a)
+    if cur:
+        groups.append(cur)
+    sizes = [len(g) for g in groups]
+    modal = max(set(sizes), key=sizes.count)
+    groups = [g for g in groups if len(g) == modal]  # (a step whose copies CUPTI split or merged differently)
+    if len(groups) < 3:
+        print(f"  critical path of {key}: {len(sizes)} groups of sizes {sorted(set(sizes))} for {steps} steps: "
+              f"not split", flush=True)
+        return
+    steps = len(groups)
+    n = len(groups[0])
+    names = [short_kernel(a[2]) for a in groups[0]]
+    share = np.zeros((steps, n))
+    gap = np.zeros((steps, n))
+    overlapped = 0
+    for si, g in enumerate(groups):
+        for i, (s0, s1, _) in enumerate(g):
+            prev = g[i - 1][1] if i else s0
+            share[si, i] = s1 - max(s0, prev)
+            gap[si, i] = max(0.0, s0 - prev)
+            overlapped += i > 0 and s0 < prev
+    med, med_gap = np.median(share, axis=0), np.median(gap, axis=0)
+    # the layer period: the smallest p whose names repeat over the longest run
+    best = (0, 0, 0)
+    for p in range(3, 16):
+        run = start = 0
+        for i in range(n - p):
+            run = run + 1 if names[i] == names[i + p] else 0
+            if run > best[0]:
+                best, start = (run, p, i - run + 1), i - run + 1
+    run, period, first = best
+    out = {"kernels_per_step": n, "overlapped_fraction": overlapped / max(1, steps * (n - 1)),
+           "step_span_us": float(np.median([g[-1][1] - g[0][0] for g in groups])),
+           "gaps_us": float(med_gap.sum()), "positions": [{"kernel": names[i], "us": round(float(med[i]), 2),
+                                                          "gap_us": round(float(med_gap[i]), 2)} for i in range(n)]}
+    print(f"  critical path of one {key} step: {n} activities, span {out['step_span_us']:.1f} us, gaps "
+          f"{out['gaps_us']:.1f} us, {out['overlapped_fraction']:.0%} start before their predecessor ends", flush=True)
+    layer_pos = set()
+    if period and run >= 2 * period:
+        layers = (run + period) // period
+        lo, hi = first + period, first + (layers - 1) * period  # the middle layers
+        rows = []
+        for j in range(period):
+            idx = list(range(lo + j, min(hi, n), period))
+            layer_pos.update(range(first + j, min(first + layers * period, n), period))
+            rows.append((names[lo + j], float(np.median(med[idx])), float(np.median(med_gap[idx]))))
+        out["layer"] = [{"kernel": k, "us": round(u, 2), "gap_us": round(gp, 2)} for k, u, gp in rows]
+        print(f"    per layer ({layers} layers of {period}; medians of the middle ones): "
+              f"{sum(r[1] for r in rows):.1f} us", flush=True)
+        for k, u, gp in rows:
+            print(f"      {u:7.2f} us (gap {gp:5.2f})  {k}", flush=True)
+    rest = [(i, names[i], float(med[i]), float(med_gap[i])) for i in range(n) if i not in layer_pos]
+    print(f"    outside the layers: {sum(r[2] for r in rest):.1f} us", flush=True)
+    for i, k, u, gp in rest:
+        print(f"      #{i:3d} {u:7.2f} us (gap {gp:6.2f})  {k}", flush=True)
+    PROFILE["timelines"][key + " critical path"] = out
 
 
 class HostClock:
@@ -462,6 +605,8 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a few steps (needs torch)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="where a step's GPU idles: the host's share and the gaps between activities (needs torch)")
     ap.add_argument("--ncu-step", action="store_true",
                     help="a CUDA profiler range around one step of each row, for ncu --profile-from-start off "
                          "(tools/ncu_step.sh)")
@@ -479,6 +624,8 @@ def main(argv=None):
     stream = HostClock() if args.tiny else Stream()
     stream.profile_one_step = args.ncu_step and not args.tiny
     PROFILE["on"] = args.profile and not args.tiny
+    PROFILE["timeline"] = args.timeline and not args.tiny
+    PROFILE["stream"] = getattr(stream, "handle", None)
     bandwidth = stream.copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     pool = RandomPool(QWEN3_8B["vocab_size"] * QWEN3_8B["hidden_size"])  # the largest tensor: embed / lm_head
@@ -520,6 +667,7 @@ def main(argv=None):
               f"{ref_ms} | {speedup} |")
     projection = project_speedup(results)
     report = {"bandwidth_bytes_per_s": bandwidth, "rows": results, "profile": PROFILE["tables"],
+              "timeline": PROFILE["timelines"],
               "projection": projection}
     if args.json:
         with open(args.json, "w") as f:
