@@ -223,19 +223,23 @@ int main(int argc, char **argv) {
         if (do_attn) b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
                      attn);
     };
-    const GemmFuse norm{folded ? eps : 0.f, false, folded ? ss : nullptr, nullptr};
-    const GemmFuse residual{0.f, folded, nullptr, folded ? ss : nullptr};
+    // As the target runs them: the sums of squares only where the norming op reads them (reads_norm_stats; an op
+    // that does not takes the norm kernel before a plain GEMM).
+    float *ss_qkv = folded && b->reads_norm_stats(Backend::NormOp::Gemm) ? ss : nullptr;
+    float *ss_mlp = folded && b->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss : nullptr;
+    const GemmFuse norm_qkv{folded ? eps : 0.f, false, ss_qkv, nullptr}, norm_mlp{folded ? eps : 0.f, false, ss_mlp, nullptr};
+    const GemmFuse to_mlp{0.f, folded, nullptr, ss_mlp}, to_qkv{0.f, folded, nullptr, ss_qkv};
     const bool all = only.empty();
     size_t step_bytes = 0;
     auto step = [&] {
         for (int64_t l = 0; l < layers; ++l) {
             const auto &lw = w[size_t(l)];
-            if (all || only == "qkv") b->gemm(x, rows, H, lw[0].view, qkv, QKV, GemmRows::Uniform, norm);
+            if (all || only == "qkv") b->gemm(x, rows, H, lw[0].view, qkv, QKV, GemmRows::Uniform, norm_qkv);
             if (ctx > 0) attention_phase(l);
-            if (all || only == "o_proj") b->gemm(attn, rows, Q, lw[1].view, x, H, GemmRows::Uniform, residual);
+            if (all || only == "o_proj") b->gemm(attn, rows, Q, lw[1].view, x, H, GemmRows::Uniform, to_mlp);
             if (all || only == "gate_up")
-                b->gemm_swiglu(x, rows, H, lw[2].view, I, gu, mlp, GemmRows::Uniform, norm);
-            if (all || only == "down") b->gemm(mlp, rows, I, lw[3].view, x, H, GemmRows::Uniform, residual);
+                b->gemm_swiglu(x, rows, H, lw[2].view, I, gu, mlp, GemmRows::Uniform, norm_mlp);
+            if (all || only == "down") b->gemm(mlp, rows, I, lw[3].view, x, H, GemmRows::Uniform, to_qkv);
         }
     };
     for (int m = 0; m < 4; ++m)

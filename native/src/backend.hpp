@@ -195,6 +195,11 @@ public:
     // unless DFLASH_FUSED_NORM=0 (measured: cuda_backend.cu), the host backend where DFLASH_HOST_FOLD=1,
     // so the CPU tests cover the models' side of it.
     virtual bool folds_norms() const { return false; }
+    // Where the model folds norms: whether the norming op `op` takes its rows' sums of squares from the
+    // producer (GemmFuse::ss_in; the producer then writes them, ss_out), or norms x itself (a norm kernel before
+    // a plain GEMM on the cuda backend). Never depends on the row count (rows agree at any M).
+    enum class NormOp { Gemm, SwiGLU };  // the q/k/v projections; gate/up
+    virtual bool reads_norm_stats(NormOp op) const { return (void)op, folds_norms(); }
     // In place on the row-major matrix w: w[r, c] *= g[c] (rounded to w's dtype).
     virtual void fold_norm(WeightView w, WeightView g) {
         (void)w, (void)g;

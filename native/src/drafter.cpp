@@ -513,7 +513,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                                 keys, attn_.get());
             const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
             if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
-                float *ss = ss_.as<float>();
+                // o_proj's sums of squares only where gate/up reads them (Backend::reads_norm_stats).
+                float *ss = backend_->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss_.as<float>() : nullptr;
                 backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, x_.get(), H, GemmRows::Uniform,
                                GemmFuse{0.f, true, nullptr, ss});
                 backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),

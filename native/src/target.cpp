@@ -270,13 +270,17 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         // (GemmFuse::ss_out / ss_in); the first layer's x_ comes from embed, without them, and the last
         // down's would have no reader (the final norm kernel sums its rows itself). A prefill chunk (Wide)
         // takes none: the wide GEMMs norm x themselves and would never read them.
+        // Only where the norming op reads them (Backend::reads_norm_stats): o_proj's feed gate/up, down's the next
+        // layer's q/k/v; an op that does not norms x itself.
         float *ss = gemm_rows == GemmRows::Wide ? nullptr : ss_.as<float>();
-        const GemmFuse residual{0.f, true, nullptr, ss};
+        float *ss_qkv = folded_ && backend_->reads_norm_stats(Backend::NormOp::Gemm) ? ss : nullptr;
+        float *ss_mlp = folded_ && backend_->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss : nullptr;
+        const GemmFuse to_mlp{0.f, true, nullptr, ss_mlp}, to_qkv{0.f, true, nullptr, ss_qkv};
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
-                           GemmFuse{folded_ ? eps : 0.f, false, folded_ && l > 0 ? ss : nullptr, nullptr});
+                           GemmFuse{folded_ ? eps : 0.f, false, l > 0 ? ss_qkv : nullptr, nullptr});
             backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
                                           qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
@@ -288,11 +292,11 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                                 AttentionMask{true, 0}, keys, attn_.get());
             const bool last = l + 1 == p_.num_layers;
             if (folded_) {
-                backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, residual);
+                backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, to_mlp);
                 backend_->gemm_swiglu(x_.get(), n, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
-                                      mlp_.get(), gemm_rows, GemmFuse{eps, false, ss, nullptr});
+                                      mlp_.get(), gemm_rows, GemmFuse{eps, false, ss_mlp, nullptr});
                 backend_->gemm(mlp_.get(), n, p_.intermediate_size, layer.down, x_.get(), H, gemm_rows,
-                               last ? GemmFuse{0.f, true} : residual);
+                               last ? GemmFuse{0.f, true} : to_qkv);
                 if (last) backend_->rms_norm(x_.get(), n, 1, H, H, weights_->view("norm.weight"), eps, xn_.get(), H);
             } else {
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, xn_.get(), H, gemm_rows);

@@ -144,7 +144,7 @@ public:
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
         const bool wide = takes_wide(rows, x, m, ldx, wd, w);
-        const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in() || !fuse.ss_in || fuse.ss_out)) ||
+        const bool unfuse = (fuse.norm_eps > 0.f && (!fold_norm_in(kFoldGemm) || !fuse.ss_in || fuse.ss_out)) ||
                             (fuse.accumulate && !fold_add_in());  // (one kernel norms or sums, not both)
         if ((fuse.any() || fuse.ss_out) &&
             (wide || unfuse || !cuda::gemm_fuse_fits(as_bf16(x), ldx, wd, w.tiled, w.cols))) {
@@ -166,11 +166,22 @@ public:
         else
             cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_, fuse);
     }
-    // DFLASH_GEMM_FOLD_NORM=0 / DFLASH_GEMM_FOLD_ADD=0 (A/B switches, read once): the folded model with
-    // its norms or its residual adds as separate kernels, to measure each fusion alone.
-    static bool fold_norm_in() {
-        static const bool on = env_switch_on("DFLASH_GEMM_FOLD_NORM");
-        return on;
+    // DFLASH_GEMM_FOLD_NORM=MASK / DFLASH_GEMM_FOLD_ADD=0 (read once): the folded model with its norms or its
+    // residual adds as separate kernels. A folded norm (the weight in the GEMM's columns either way) is taken
+    // by the GEMM itself (GemmFuse::ss_in, kNorm) for the ops in MASK, else by the unit-weight norm kernel
+    // before a plain GEMM: 1 the norming GEMMs (the q/k/v projections), 2 the norming SwiGLU (gate/up); 0
+    // neither. The choice depends on the op, never on the row count, so rows agree at any M (DESIGN §5).
+    // Default 0 (session 26 on the H200, `bench.py --variants`, 2 rounds, against 3, both folded: decode
+    // 0.981x, verify 0.967x, propose 8B 0.985x, 4B 0.989x the time; mask 1: decode 0.975x, verify 0.975x): the
+    // kNorm kernels cost more than a norm kernel before the plain ones (at 16 rows the plain q/k/v streams x in
+    // its ring, the kNorm one cannot; the persistent gate/up took 4 (1 row) to 8.6 us (16 rows) more per layer).
+    static constexpr int kFoldGemm = 1, kFoldSwiGLU = 2;
+    static bool fold_norm_in(int op) {
+        static const EnvInt mask = env_int("DFLASH_GEMM_FOLD_NORM", 0, 0, 3);
+        return (env_value(mask, "DFLASH_GEMM_FOLD_NORM", "is not a mask of 1 (GEMMs) and 2 (SwiGLU)") & op) != 0;
+    }
+    bool reads_norm_stats(NormOp op) const override {
+        return folds_norms() && fold_norm_in(op == NormOp::Gemm ? kFoldGemm : kFoldSwiGLU);
     }
     static bool fold_add_in() {
         static const bool on = env_switch_on("DFLASH_GEMM_FOLD_ADD");
@@ -254,7 +265,7 @@ public:
                                    stream_);
             return;
         }
-        if (fuse.norm_eps > 0.f && (!fold_norm_in() || !fuse.ss_in)) {  // norm first, then the plain kernel
+        if (fuse.norm_eps > 0.f && (!fold_norm_in(kFoldSwiGLU) || !fuse.ss_in)) {  // norm first, then the plain kernel
             x = normed_input(x, m, ldx, gate_up.cols, fuse.norm_eps, &ldx);
             fuse = GemmFuse{};
         }
