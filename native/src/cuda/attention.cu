@@ -510,16 +510,16 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         pdl_wait();  // the kernels before this one (the step's own keys, q) are done
         if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
     }
-    cp_async_commit();
-
-    // The tile's Q rows into shared memory (zeros past the last vector), 16 bytes per copy.
-    for (int i = threadIdx.x; i < kTcVectors * kPieces; i += kThreads) {
+    // The tile's Q rows of its m tiles into shared memory (zeros past the last vector), 16 bytes per cp.async, in
+    // chunk 0's group (after the wait: q is the rope kernel's): every piece in flight at once. (Loaded into a
+    // register and stored, one piece after another, a verify's 64 vectors took a thread four L2 round trips.)
+    for (int i = threadIdx.x; i < m_tiles * 16 * kPieces; i += kThreads) {
         const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (vl < tile_vecs)
-            val = load_act16(q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD + piece * 8);
-        *reinterpret_cast<uint4 *>(q_s + vl * kStride + piece * 8) = val;
+        const bool ok = vl < tile_vecs;
+        cp_async16(q_s + vl * kStride + piece * 8,
+                   ok ? q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD + piece * 8 : q, ok);
     }
+    cp_async_commit();
     // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h).
     int32_t qpos[kT8MTiles * 2];
     bool vec_ok[kT8MTiles * 2];

@@ -148,8 +148,16 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
                        k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
         return;
     }
+    // A v head: every load first, then the stores (a loop of load-store pairs took one L2 round trip per 32
+    // elements: dst may alias src as far as the compiler knows), so this warp is not the kernel's tail.
     bf16 *dst = v_cache + slot * kv_width + int64_t(h - heads - kv_heads) * head_dim;
-    for (int j = lane; j < head_dim; j += 32) dst[j] = src[j];
+    bf16 vals[2 * kMaxPairsPerLane];
+#pragma unroll
+    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
+        if (lane + 32 * i < head_dim) vals[i] = src[lane + 32 * i];
+#pragma unroll
+    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
+        if (lane + 32 * i < head_dim) dst[lane + 32 * i] = vals[i];
 }
 
 }  // namespace
