@@ -264,14 +264,14 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
-        // Folded (folded_): the q/k/v and gate/up GEMMs norm x_ themselves and o_proj / down add into
-        // x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
-        // The residual-adding GEMMs leave the rows' sums of squares in ss_ for the norming GEMM after them
-        // (GemmFuse::ss_out / ss_in); the first layer's x_ comes from embed, without them, and the last
+        // Folded (folded_): the norms' weights are in the q/k/v and gate/up weights, those GEMMs norm x_ (GemmFuse's
+        // norm_eps: the GEMM itself, or on cuda by default a unit-weight norm kernel before it) and o_proj / down
+        // add into x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
+        // Where the norming op takes its rows' sums of squares from the producer (Backend::reads_norm_stats),
+        // the residual-adding GEMM before it leaves them in ss_ (GemmFuse::ss_out / ss_in: o_proj's feed gate/up,
+        // down's the next layer's q/k/v); the first layer's x_ comes from embed, without them, and the last
         // down's would have no reader (the final norm kernel sums its rows itself). A prefill chunk (Wide)
         // takes none: the wide GEMMs norm x themselves and would never read them.
-        // Only where the norming op reads them (Backend::reads_norm_stats): o_proj's feed gate/up, down's the next
-        // layer's q/k/v; an op that does not norms x itself.
         float *ss = gemm_rows == GemmRows::Wide ? nullptr : ss_.as<float>();
         float *ss_qkv = folded_ && backend_->reads_norm_stats(Backend::NormOp::Gemm) ? ss : nullptr;
         float *ss_mlp = folded_ && backend_->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss : nullptr;

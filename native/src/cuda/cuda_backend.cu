@@ -200,7 +200,9 @@ public:
     // (sums of squares by two more mma per k step) made verify 1.05x, decode 1.07x and propose 1.03x
     // slower; this one takes them from the producer's epilogue (GemmFuse::ss_out / ss_in). Session 15 on
     // the H200 against DFLASH_FUSED_NORM=0: decode 0.977x and 0.983x (two runs), verify 0.994x, propose
-    // 8B 0.991x, 4B 1.013x.
+    // 8B 0.991x, 4B 1.013x. Since session 26 the norms themselves run as unit-weight norm kernels by default
+    // (fold_norm_in: the weights stay folded, the residual adds in o_proj / down); against DFLASH_FUSED_NORM=0
+    // that is decode 0.993x, verify 0.995x, propose 1.001-1.005x (session 26 run 5, 2 rounds).
     bool folds_norms() const override {
         static const bool on = env_switch_on("DFLASH_FUSED_NORM");
         return on && cuda::fused_norm_supported();

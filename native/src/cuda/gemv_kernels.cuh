@@ -40,8 +40,9 @@
 // before it, which accumulated into the residual stream): its Store epilogue sums each row's stored
 // values' squares per 16 columns (GemmFuse::ss_out, kStats), and this kernel adds those parts in a fixed
 // order before its k loop (row_scales), so its k loop is the plain one. A row's factor depends on
-// that row alone and on nothing M decides, so batch invariance holds. On by default
-// (DFLASH_FUSED_NORM=0 turns it off: cuda_backend.cu's folds_norms).
+// that row alone and on nothing M decides, so batch invariance holds. Not taken by default since session 26
+// (DFLASH_GEMM_FOLD_NORM=MASK, cuda_backend.cu: a unit-weight norm kernel before the plain kernels measured
+// faster); test_ops covers it either way.
 //
 // The family in files, so that nvcc compiles its ~250 kernel instantiations in parallel (as one TU they
 // took two minutes): this header (everything device-side and the templates, in an anonymous namespace: each
