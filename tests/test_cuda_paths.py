@@ -182,20 +182,53 @@ def test_cuda_speculative_equals_cuda_autoregressive_few_splits():
     not a memory one: under the sanitizers (DFLASH_TEST_SHARED_GPU) the other tests run these kernels."""
     if SHARED_GPU:
         pytest.skip("numeric only; the sanitizer stage covers the same kernels in the other tests")
+    _lossless_in_a_process({"DFLASH_ATTN_FILL": "4"})
+
+
+def _python_in_a_process(env_overrides, args):
+    """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    env["DFLASH_ATTN_FILL"] = "4"
+    env.update(env_overrides)
+    return subprocess.run([sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def _lossless_in_a_process(env_overrides):
+    """The long-prompt lossless cases and the large-capacity one (4 tests) in a process of their own."""
     here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run(
-        [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "pytest", "-m", "gpu", "-q",
-         "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-k", "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity",
-         os.path.join(here, "test_cuda_paths.py")],
-        env=env, capture_output=True, text=True, timeout=600)
+    run = _python_in_a_process(env_overrides, [
+        "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+        "-k", "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity",
+        os.path.join(here, "test_cuda_paths.py")])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "4 passed" in run.stdout, run.stdout[-500:]
+
+
+def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
+    """The same lossless cases with every folded norm taken inside its GEMM (DFLASH_GEMM_FOLD_NORM=3: the kNorm
+    kernels, the sums of squares from the producers' epilogues; the default since session 26 is a norm kernel
+    before plain GEMMs): the GEMM's row factors must not depend on how many rows share the call."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers test_ops' gemm_fused cases")
+    _lossless_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"})
+
+
+def test_a_bad_fold_norm_mask_fails_naming_the_variable(make_pair):
+    """DFLASH_GEMM_FOLD_NORM outside 0-3 fails the first forward with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
+    target_dir, _ = make_pair(900, **CASES[0])
+    script = ("import sys, pydflash\n"
+              "with pydflash.Target.from_pretrained(sys.argv[1], backend='cuda') as t:\n"
+              "    try:\n"
+              "        pydflash.generate(t, None, [1, 2, 3], 2)\n"
+              "    except pydflash.DflashError as e:\n"
+              "        print('ERROR', e.status_name, e.message)\n")
+    run = _python_in_a_process({"DFLASH_GEMM_FOLD_NORM": "7"}, ["-c", script, target_dir])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ERROR DFLASH_STATUS_INVALID_ARGUMENT" in run.stdout, run.stdout[-1000:]
+    assert "DFLASH_GEMM_FOLD_NORM=7" in run.stdout, run.stdout[-1000:]
 
 
 def _speculative_equals_autoregressive(make_pair, case, block_size, prompt_lengths, max_seq_len):
