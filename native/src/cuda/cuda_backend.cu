@@ -174,7 +174,7 @@ public:
     // Default 0 (session 26 on the H200, `bench.py --variants`, 2 rounds, against 3, both folded: decode
     // 0.981x, verify 0.967x, propose 8B 0.985x, 4B 0.989x the time; mask 1: decode 0.975x, verify 0.975x): the
     // kNorm kernels cost more than a norm kernel before the plain ones (at 16 rows the plain q/k/v streams x in
-    // its ring, the kNorm one cannot; the persistent gate/up took 4 (1 row) to 8.6 us (16 rows) more per layer).
+    // its ring, the kNorm one lost with it, session 24; the persistent gate/up took 4 (1 row) to 8.6 us (16 rows) more per layer).
     static constexpr int kFoldGemm = 1, kFoldSwiGLU = 2;
     static bool fold_norm_in(int op) {
         static const EnvInt mask = env_int("DFLASH_GEMM_FOLD_NORM", 0, 0, 3);
