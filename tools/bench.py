@@ -141,19 +141,8 @@ def profile_steps(key, step, steps=5):
         timeline_steps(key, step)
     if not PROFILE["on"]:
         return
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
     rows = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
+    for e in cuda_activities(step, steps):
         r = rows.setdefault(e.name, [0, 0.0])
         r[0] += 1
         r[1] += e.device_time
@@ -165,6 +154,24 @@ def profile_steps(key, step, steps=5):
           f"{sum(r['calls_per_step'] for r in table):.0f} launches", flush=True)
     for r in table[:12]:
         print(f"    {r['per_step_us']:9.1f} us  {r['calls_per_step']:5.1f}x  {r['kernel']}", flush=True)
+
+
+def cuda_activities(step, steps, pause_s=0.0):
+    """The GPU activities (kernels, copies) of `steps` steps after one warm-up step, as torch.profiler (CUPTI) records
+    them. pause_s > 0: the GPU idles that long before each step, so the steps' activities can be told apart."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if pause_s:
+                torch.cuda.synchronize()
+                time.sleep(pause_s)
+            step()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type.name == "CUDA"]
 
 
 def timeline_steps(key, step, steps=20):
@@ -180,8 +187,8 @@ def timeline_steps(key, step, steps=20):
 
     stream = PROFILE["stream"]
     torch_stream = torch.cuda.ExternalStream(int(stream))
-    cycles = int(2e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3) if hasattr(
-        torch.cuda.get_device_properties(0), "clock_rate") else 4_000_000
+    clock_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0)  # not in every torch
+    cycles = int(2e-3 * clock_khz * 1e3) if clock_khz else 4_000_000
     _, e0 = rt.cudaEventCreate()
     _, e1 = rt.cudaEventCreate()
     plain, queued, host = [], [], []
@@ -231,19 +238,9 @@ def critical_path(key, step, steps=6):
     the median over the steps; then per position in a layer, the median over the middle layers (the period of the
     kernel names). CUPTI slows graph launches (the gap before a graph's first kernel is the tracer's), not the
     kernels inside them."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            time.sleep(0.003)  # steps split at these gaps
-            step()
-        torch.cuda.synchronize()
-    acts = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA"), key=lambda a: (a[1], a[0]))
+    acts = sorted(((e.time_range.start, e.time_range.end, e.name)
+                   for e in cuda_activities(step, steps, pause_s=0.003)),  # steps split at the pauses
+                  key=lambda a: (a[1], a[0]))
     groups, cur = [], []
     for a in acts:
         if cur and a[0] - cur[-1][1] > 2000:
@@ -273,13 +270,13 @@ def critical_path(key, step, steps=6):
             overlapped += i > 0 and s0 < prev
     med, med_gap = np.median(share, axis=0), np.median(gap, axis=0)
     # the layer period: the smallest p whose names repeat over the longest run
-    best = (0, 0, 0)
+    best = (0, 0, 0)  # (run, period, first position of the run)
     for p in range(3, 16):
-        run = start = 0
+        run = 0
         for i in range(n - p):
             run = run + 1 if names[i] == names[i + p] else 0
             if run > best[0]:
-                best, start = (run, p, i - run + 1), i - run + 1
+                best = (run, p, i - run + 1)
     run, period, first = best
     out = {"kernels_per_step": n, "overlapped_fraction": overlapped / max(1, steps * (n - 1)),
            "step_span_us": float(np.median([g[-1][1] - g[0][0] for g in groups])),
