@@ -329,21 +329,24 @@ void Drafter::upload_slot_positions(DrafterSeq &seq, int64_t first, int64_t coun
 
 // The incremental context precompute: projects the pending rows (those past the watermark)
 // into every layer's K/V cache with one fc GEMM and one fused K/V GEMM.
-void Drafter::project_pending(DrafterSeq &seq, bool args_uploaded) {
+void Drafter::project_pending(DrafterSeq &seq) {
     const int64_t P = int64_t(seq.pending_positions.size());
     if (P == 0) return;
     ensure_blocks(seq, seq.cached + P);
+    std::vector<int32_t> args(size_t(chunk_rows_ + P));  // positions then slots, one upload
+    pending_args(seq, args.data());
+    upload_slot_positions(seq, seq.cached, P);
+    backend_->upload(step_i32_.as<int32_t>() + 3 * gamma_, args.data(), args.size() * sizeof(int32_t));
+    enqueue_projection(seq.features.get(), P);
+    seq.cached += P;
+    seq.pending_positions.clear();
+}
+
+void Drafter::enqueue_projection(const void *features, int64_t P) {
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nkv = p_.num_kv_heads;
     int32_t *step = step_i32_.as<int32_t>();
-    int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
-    if (!args_uploaded) {  // positions then slots, one upload
-        std::vector<int32_t> args(size_t(chunk_rows_ + P));
-        pending_args(seq, args.data());
-        upload_slot_positions(seq, seq.cached, P);
-        backend_->upload(ctx_pos, args.data(), args.size() * sizeof(int32_t));
-    }
-
-    backend_->gemm(seq.features.get(), P, feature_width_, weight("fc.weight"), ctx_h_.get(), H);
+    const int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
+    backend_->gemm(features, P, feature_width_, weight("fc.weight"), ctx_h_.get(), H);
     backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps,
                        ctx_h_.get(), H);
     backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_);
@@ -353,8 +356,6 @@ void Drafter::project_pending(DrafterSeq &seq, bool args_uploaded) {
                                       p_.rms_norm_eps, ctx_pos, inv_freq_.as<float>(), rope_.attention_factor,
                                       ctx_slots, k_cache_[l].get(), v_cache_[l].get());
     }
-    seq.cached += P;
-    seq.pending_positions.clear();
 }
 
 void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype,
@@ -480,11 +481,12 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     if (graphed) keys.num_keys_device = dev + num_keys_at, keys.fresh_keys_device = dev + num_keys_at + 1;
     upload_slot_positions(seq, seq.cached, pending + width);
     backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
-    project_pending(seq, true);
+    const void *features = seq.features.get();
     const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
     int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
 
     auto block = [&] {
+        if (pending) enqueue_projection(features, pending);  // the pending context rows into the caches
         backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
                         x_.get());
         const int64_t kv2 = 2 * kv_width_;
@@ -545,11 +547,14 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         }
     };
     if (graphed) {
-        if (graphs_.run(*backend_, ProposeKey{width, keys.block_table, keys.slot_positions}, block))
+        if (graphs_.run(*backend_,
+                        ProposeKey{width, int32_t(pending), features, keys.block_table, keys.slot_positions}, block))
             ++seq.graph_replays;
     } else {
         block();
     }
+    seq.cached += pending;  // projected by the block
+    seq.pending_positions.clear();
     backend_->download(out_tokens, d_drafts, size_t(width - 1) * sizeof(int32_t));
 
     seq.rng_counter += 1;

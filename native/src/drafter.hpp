@@ -49,15 +49,18 @@ struct DrafterSeq {
     int64_t graph_replays = 0;          // proposes whose block ran as a replayed CUDA graph
 };
 
-// A greedy propose's block (embed -> layers -> lm_head argmax) as one CUDA graph per block width and
-// sequence: the sequence's block table and slot positions are the only per-sequence pointers its kernels
-// read; everything that changes between proposes (tokens, positions, slots, the key count) sits in
-// step_i32_ at fixed offsets.
+// A greedy propose (the pending context rows' projection, then the block: embed -> layers -> lm_head argmax)
+// as one CUDA graph per block width, pending row count and sequence: the sequence's features, block table and
+// slot positions are the only per-sequence pointers its kernels read; everything that changes between
+// proposes (tokens, positions, slots, the key count) sits in step_i32_ at fixed offsets. (The projection ran
+// eagerly before the graph until session 27: eight launches the GPU waited for.)
 struct ProposeKey {
-    int32_t width = 0;
+    int32_t width = 0, pending = 0;
+    const void *features = nullptr;
     const int32_t *table = nullptr, *slot_positions = nullptr;
     bool operator<(const ProposeKey &o) const {
-        return std::tie(width, table, slot_positions) < std::tie(o.width, o.table, o.slot_positions);
+        return std::tie(width, pending, features, table, slot_positions) <
+               std::tie(o.width, o.pending, o.features, o.table, o.slot_positions);
     }
 };
 
@@ -127,9 +130,11 @@ private:
                      int64_t count, int32_t *slots_out);
     void upload_slot_positions(DrafterSeq &seq, int64_t first_logical, int64_t count);
     void pending_args(DrafterSeq &seq, int32_t *out);
-    // args_uploaded: the caller stamped the pending rows' slots and uploaded their positions,
-    // slots and slot positions itself (propose: one upload with its own arguments).
-    void project_pending(DrafterSeq &seq, bool args_uploaded = false);
+    // Uploads the pending rows' arguments, enqueues their projection and makes them cached.
+    void project_pending(DrafterSeq &seq);
+    // The projection's kernels alone (P rows of `features`; their positions and slots in step_i32_): what
+    // project_pending and a propose's graph enqueue.
+    void enqueue_projection(const void *features, int64_t P);
     void *act(const DeviceBuffer &buffer, int64_t element_offset) const;
 
     std::shared_ptr<Backend> backend_;

@@ -191,13 +191,26 @@ struct XRow {
         out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
         out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
     }
-    __device__ __forceinline__ void load(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
+    // The loads of a masked chunk (rows past M and halves past K read valid addresses), unmasked: mask() zeroes
+    // them where x is used. (Masked as it lands, the AND waited for the load there: every chunk stalled the warp
+    // one L2 round trip and x's two-chunk lead was lost. Session 27 on the H200: the persistent lm_head of a
+    // propose's 15 rows streamed at 3.27 TB/s against 4.08 at 16 rows, Full.)
+    __device__ __forceinline__ void load_raw(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
         const int64_t k0 = c0 + q * 16, k1 = k0 + 8;
-        const uint32_t keep0 = k0 < K ? keep : 0u, keep1 = k1 < K ? keep : 0u;
         const uint4 v0 = load_act16(row + (k0 < K ? k0 : 0));
         const uint4 v1 = load_act16(row + (k1 < K ? k1 : 0));
-        out[0] = v0.x & keep0, out[1] = v0.y & keep0, out[2] = v0.z & keep0, out[3] = v0.w & keep0;
-        out[4] = v1.x & keep1, out[5] = v1.y & keep1, out[6] = v1.z & keep1, out[7] = v1.w & keep1;
+        out[0] = v0.x, out[1] = v0.y, out[2] = v0.z, out[3] = v0.w;
+        out[4] = v1.x, out[5] = v1.y, out[6] = v1.z, out[7] = v1.w;
+    }
+    __device__ __forceinline__ void mask(int64_t c0, int q, int64_t K, uint32_t v[8]) const {
+        const int64_t k0 = c0 + q * 16, k1 = k0 + 8;
+        const uint32_t keep0 = k0 < K ? keep : 0u, keep1 = k1 < K ? keep : 0u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] &= keep0, v[4 + e] &= keep1;
+    }
+    __device__ __forceinline__ void load(int64_t c0, int q, int64_t K, uint32_t out[8]) const {
+        load_raw(c0, q, K, out);
+        mask(c0, q, K, out);
     }
 };
 
@@ -651,7 +664,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             if (TILED && r == 1 && !x1_rows) {  // tiled: rows g + 8 all past M (a decode step): zeros, no loads
 #pragma unroll
                 for (int e = 0; e < 8; ++e) out[e] = 0u;
-            } else {
+            } else if constexpr (TILED) {
+                (r ? xr1 : xr0).load_raw(c0, wt.q, K, out);  // masked where used (mask_x)
+            } else {  // one chunk ahead in 3 blocks' registers per SM: masked here (where used, it spilled)
                 (r ? xr1 : xr0).load(c0, wt.q, K, out);
             }
         } else
@@ -659,6 +674,16 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     };
     // x is read in sequence order too, the same k chunks in every column block: xj is the next x chunk.
     int64_t xj = 0, x_loaded = 0;
+    // Masked: the chunk consumed next (the same sequence), whose x set mask_x zeroes past M and K before its mma.
+    int64_t mj = 0;
+    auto mask_x = [&](uint32_t (&xc)[2][8]) {
+        if constexpr (XL == XLoad::Masked && TILED && !(kExp & kExpNoX)) {
+            const int64_t c0 = (wt.c_begin + mj) * kChunk;
+            xr0.mask(c0, wt.q, K, xc[0]);
+            if (x1_rows) xr1.mask(c0, wt.q, K, xc[1]);  // else zeros already, never loaded
+            mj = PERSIST && mj + 1 == n_chunks ? 0 : mj + 1;
+        }
+    };
     auto load_x_next = [&](uint32_t out[2][8]) {
         const int64_t c0 = (wt.c_begin + xj) * kChunk;
         load_x(0, c0, out[0]);
@@ -749,6 +774,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 }
             }
             if (kXRegs && !TILED && x_loaded < total) load_x_next(xn);
+            mask_x(xc);
             mma_chunk(acc, xc[0], xc[1], wb);
             if (kXRegs && TILED && x_loaded < total) load_x_next(xn);
         };
