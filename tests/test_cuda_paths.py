@@ -250,8 +250,8 @@ def _graph_run(target_dir, draft_dir, seed):
     """Speculative steps of random widths on two interleaved sequences (greedy and sampled), plus
     autoregressive decode steps: every (drafts, accepted, next) and the drafter's last hidden
     states, how many target forwards were replayed from graphs, and, per drafter sequence, its proposes'
-    graph replays and how many of its proposes repeated a block width it had proposed before (both
-    sequences draft greedily: argmax drafts, sampled or greedy verification)."""
+    graph replays and how many of its proposes repeated a block width and projected row count it had proposed
+    with before (both sequences draft greedily: argmax drafts, sampled or greedy verification)."""
     rng = np.random.default_rng(seed)
     record, replays, widths, repeated = [], 0, [set(), set()], [0, 0]
     with Target.from_pretrained(target_dir, backend="cuda", max_seq_len=1024, max_batch=3) as target, \
@@ -268,9 +268,13 @@ def _graph_run(target_dir, draft_dir, seed):
             i = step % 2
             (tseq, dseq), s = pairs[i], sampling[i]
             nd = int(rng.integers(1, drafter.block_size))
+            # one graph per block width (nd + 1 rows), projected rows (the pending context rows, projected inside
+            # it, padded to a multiple of 16 up to the drafter's 64-row chunk) and sequence
+            pending = dseq.info()["pending_rows"]
+            shape = (nd + 1, min(64, -(-pending // 16) * 16))
             drafts = dseq.propose(tokens[i], tseq.info()["length"], nd, sampling=s)
-            repeated[i] += nd + 1 in widths[i]  # one graph per block width (nd + 1 rows) and sequence
-            widths[i].add(nd + 1)
+            repeated[i] += shape in widths[i]
+            widths[i].add(shape)
             accepted, tokens[i] = tseq.verify([tokens[i], *drafts], sampling=s, drafter_seq=dseq)
             dseq.after_verify(accepted)
             record.append((drafts, accepted, tokens[i], dseq.read_hidden().tobytes()))
@@ -287,7 +291,8 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
     exactly what their kernels launched one by one compute (DFLASH_CUDA_GRAPHS=0): the same drafts,
     acceptances, bonus tokens and, bit for bit, the drafter hidden states fed by the captured features,
     over widths that come and go (the attention scratch grows mid-run, which re-records stale graphs) on
-    interleaved sequences. Every propose of a width its sequence proposed before replays."""
+    interleaved sequences. Every propose of a width and projected row count its sequence proposed with before
+    replays."""
     for case in (0, 1):
         target_dir, draft_dir = make_pair(900 + case, **CASES[case])
         monkeypatch.setenv("DFLASH_CUDA_GRAPHS", "1")

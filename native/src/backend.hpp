@@ -211,7 +211,8 @@ public:
                       const int32_t *positions, const float *inv_freq,
                       float attention_factor) = 0;
     // Writes k/v rows [rows, n_kv_heads*head_dim] (row strides ld) into the cache slots
-    // slots[rows] (device; physical slot = block * block_size + offset).
+    // slots[rows] (device; physical slot = block * block_size + offset); a row whose slot is negative is not
+    // written (a graphed propose's projection pads its rows to a fixed count with them).
     virtual void kv_write(const void *k, const void *v, int64_t rows, int64_t ld,
                           const int32_t *slots, int64_t kv_width, void *k_cache,
                           void *v_cache) = 0;

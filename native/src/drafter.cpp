@@ -275,6 +275,10 @@ std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
     backend_->upload(seq->slot_positions_dev.get(), seq->slot_positions.data(),
                      seq->slot_positions_dev.bytes());
     seq->features = DeviceBuffer(backend_.get(), size_t(chunk_rows_) * size_t(feature_width_) * act_size_);
+    {  // zeros: a graphed propose projects padding rows past the pending ones (never read before written else)
+        const std::vector<uint8_t> zeros(seq->features.bytes(), 0);
+        backend_->upload(seq->features.get(), zeros.data(), zeros.size());
+    }
     seq->staged = DeviceBuffer(backend_.get(), size_t(gamma_) * size_t(feature_width_) * act_size_);
     return seq;
 }
@@ -450,6 +454,13 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     // comes from step_i32_ too. Sampled proposes (their Philox key and sampling parameters are host values
     // of the launches) and windowed ones (first_key) stay eager.
     const bool graphed = !sample && p_.ctx_window == 0;
+    // The pending rows' projection runs inside the graph. So that one graph serves every pending count, a graphed
+    // propose projects them padded to a multiple of 16 rows (at most chunk_rows_): the padding rows' slots are -1
+    // (the cache write skips them) and a GEMM's rows do not depend on its row count (kernels' batch invariance),
+    // so the pending rows' keys and values are what P rows give. The weights are read once either way.
+    const int64_t projected = graphed && backend_->graphs_enabled() && pending > 0
+                                  ? std::min<int64_t>(chunk_rows_, (pending + 15) / 16 * 16)
+                                  : pending;
     const size_t num_keys_at = size_t(4 * gamma_ + 2 * chunk_rows_);
     // Step arguments in one upload, before any kernel (an upload between kernels would stall the
     // programmatic overlap of the two), step_i32_'s layout whole: tokens, query positions and noise slots
@@ -459,6 +470,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     std::vector<int32_t> args(num_keys_at + 2, 0);
     int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
     if (pending) pending_args(seq, args.data() + 3 * gamma_);
+    for (int64_t i = pending; i < projected; ++i) args[size_t(3 * gamma_ + chunk_rows_ + i)] = -1;  // padding
     for (int32_t j = 0; j < width; ++j) {
         tokens[j] = j == 0 ? last_token : p_.mask_token_id;
         q_pos[j] = position + j;
@@ -486,7 +498,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
 
     auto block = [&] {
-        if (pending) enqueue_projection(features, pending);  // the pending context rows into the caches
+        if (projected) enqueue_projection(features, projected);  // the pending context rows into the caches
         backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
                         x_.get());
         const int64_t kv2 = 2 * kv_width_;
@@ -548,7 +560,8 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     };
     if (graphed) {
         if (graphs_.run(*backend_,
-                        ProposeKey{width, int32_t(pending), features, keys.block_table, keys.slot_positions}, block))
+                        ProposeKey{width, int32_t(projected), features, keys.block_table, keys.slot_positions},
+                        block))
             ++seq.graph_replays;
     } else {
         block();

@@ -50,17 +50,18 @@ struct DrafterSeq {
 };
 
 // A greedy propose (the pending context rows' projection, then the block: embed -> layers -> lm_head argmax)
-// as one CUDA graph per block width, pending row count and sequence: the sequence's features, block table and
-// slot positions are the only per-sequence pointers its kernels read; everything that changes between
-// proposes (tokens, positions, slots, the key count) sits in step_i32_ at fixed offsets. (The projection ran
-// eagerly before the graph until session 27: eight launches the GPU waited for.)
+// as one CUDA graph per block width, projected row count (the pending rows padded to a multiple of 16: in
+// steady state always 16) and sequence: the sequence's features, block table and slot positions are the only
+// per-sequence pointers its kernels read; everything that changes between proposes (tokens, positions, slots,
+// the key count) sits in step_i32_ at fixed offsets. (The projection ran eagerly before the graph until
+// session 27: eight launches the GPU waited for.)
 struct ProposeKey {
-    int32_t width = 0, pending = 0;
+    int32_t width = 0, projected = 0;
     const void *features = nullptr;
     const int32_t *table = nullptr, *slot_positions = nullptr;
     bool operator<(const ProposeKey &o) const {
-        return std::tie(width, pending, features, table, slot_positions) <
-               std::tie(o.width, o.pending, o.features, o.table, o.slot_positions);
+        return std::tie(width, projected, features, table, slot_positions) <
+               std::tie(o.width, o.projected, o.features, o.table, o.slot_positions);
     }
 };
 

@@ -78,6 +78,7 @@ __global__ void kv_write_kernel(const bf16 *k, const bf16 *v, int64_t rows, int6
          i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t r = i / kv_width, c = i % kv_width;
         const int64_t slot = slots[r];
+        if (slot < 0) continue;  // a padding row: not written
         k_cache[slot * kv_width + c] = k[r * ld + c];
         v_cache[slot * kv_width + c] = v[r * ld + c];
     }

@@ -117,7 +117,8 @@ __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head
 }
 
 // One warp per (row, head), heads of a row counted q, then k, then v: q heads normed and rotated
-// in place, k heads likewise and copied to their cache slot, v heads copied to theirs.
+// in place, k heads likewise and copied to their cache slot, v heads copied to theirs (a row whose slot is
+// negative, a padding row, is normed and rotated but not copied).
 __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int heads,
                                            int kv_heads, int head_dim, const bf16 *q_norm, const bf16 *k_norm,
                                            float eps,
@@ -145,9 +146,10 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
     const int64_t kv_width = int64_t(kv_heads) * head_dim;
     if (h < heads + kv_heads) {
         norm_rope_head(src, head_dim, k_norm != nullptr, eps, r,
-                       k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
+                       slot < 0 ? nullptr : k_cache + slot * kv_width + int64_t(h - heads) * head_dim, lane);
         return;
     }
+    if (slot < 0) return;
     // A v head: every load first, then the stores (a loop of load-store pairs took one L2 round trip per 32
     // elements: dst may alias src as far as the compiler knows), so this warp is not the kernel's tail.
     bf16 *dst = v_cache + slot * kv_width + int64_t(h - heads - kv_heads) * head_dim;

@@ -179,6 +179,7 @@ public:
     void kv_write(const void *k, const void *v, int64_t rows, int64_t ld, const int32_t *slots,
                   int64_t kv_width, void *k_cache, void *v_cache) override {
         for (int64_t r = 0; r < rows; ++r) {
+            if (slots[r] < 0) continue;  // a padding row
             std::memcpy(static_cast<float *>(k_cache) + int64_t(slots[r]) * kv_width,
                         static_cast<const float *>(k) + r * ld, size_t(kv_width) * 4);
             std::memcpy(static_cast<float *>(v_cache) + int64_t(slots[r]) * kv_width,
