@@ -454,6 +454,17 @@ __device__ __forceinline__ void ldsm_a(const bf16 *tile, int stride, int lane, u
     ldmatrix_x4(unsigned(__cvta_generic_to_shared(tile + (lane & 15) * stride + (lane >> 4) * 8)), a[0], a[1], a[2], a[3]);
 }
 
+// Query vector v -> (its query row, its head within the kv head's group): a shift and a mask where the group is a
+// power of two (every Qwen3 and Llama shape), instead of an integer division on the block's path after the wait.
+// (Only the group is kept: its shift is one instruction where used, not a register live through the kernel.)
+struct GroupOf {
+    int group;
+    __device__ explicit GroupOf(int g) : group(g) {}
+    __device__ bool pow2() const { return (group & (group - 1)) == 0; }
+    __device__ int row(int v) const { return pow2() ? v >> (__ffs(group) - 1) : v / group; }
+    __device__ int sub(int v) const { return pow2() ? v & (group - 1) : v % group; }
+};
+
 template <int HD>
 __global__ void __launch_bounds__(kT8Warps * 32)
 attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
@@ -481,6 +492,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     float *sum_s = max_s + kTcVectors * kT8Warps;                              // [64 vectors][8 warps]
 
     const int group = n_heads / n_kv_heads;
+    const GroupOf gof(group);
     const int kv_head = blockIdx.x, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, qd = lane & 3;
@@ -517,10 +529,11 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
         const bool ok = vl < tile_vecs;
         cp_async16(q_s + vl * kStride + piece * 8,
-                   ok ? q + int64_t(v / group) * ldq + int64_t(kv_head * group + v % group) * HD + piece * 8 : q, ok);
+                   ok ? q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * group + gof.sub(v)) * HD + piece * 8 : q, ok);
     }
     cp_async_commit();
-    // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h).
+    // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h). (Their positions read before
+    // the wait, or their rows by GroupOf here, the kernel spilled at the 128 registers two blocks per SM allow.)
     int32_t qpos[kT8MTiles * 2];
     bool vec_ok[kT8MTiles * 2];
     float m[kT8MTiles * 2], l[kT8MTiles * 2];
@@ -674,7 +687,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             const int vi = mt * 2 + h;
             if (!vec_ok[vi]) continue;
             const int v = vec_base + mt * 16 + g + 8 * h;
-            const int row = v / group, head = kv_head * group + v % group;
+            const int row = gof.row(v), head = kv_head * group + gof.sub(v);
             const int64_t idx = (int64_t(split) * nq + row) * n_heads + head;
 #pragma unroll
             for (int t = 0; t < kDimTiles; ++t)
