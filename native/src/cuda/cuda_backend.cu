@@ -5,7 +5,7 @@
 // weights are stored bf16 (weight_dtype), accumulation is fp32. Scratch the kernels need
 // (argmax partials, attention split partials) grows on first use and is then reused, so steady
 // state allocates nothing. Copies back to the host go through one pinned buffer and an event:
-// the host waits for its own copy, never for the whole device.
+// the host waits for its own copy, never for the whole device; small uploads go through another (upload()).
 #include <cstdlib>
 #include <cstdio>
 #include <vector>
@@ -76,10 +76,11 @@ public:
         if (ptr) cudaFree(ptr);
     }
     // A step's small uploads (tokens, positions, slots) go through the pinned staging buffer: copied there at
-    // once (the caller may reuse src on return, as with a pageable copy), then one asynchronous copy, which
-    // costs the host a few us less than a pageable one and never waits. A region is reused only after the
-    // stream has passed its copy: every download and synchronize() waits for the whole stream, which frees
-    // it all; past its end, the stream is synchronized first. Larger uploads (weights) stay pageable.
+    // once (the caller may reuse src on return, as with a pageable copy), then one asynchronous copy from
+    // pinned memory, which the driver need not stage itself. (Not measured apart: it landed with session 27's
+    // propose changes.) A region is reused only after the stream has passed
+    // its copy: every download and synchronize() waits for the whole stream, which frees it all; past its end,
+    // the stream is synchronized first. Larger uploads (weights) stay pageable.
     void upload(void *dst, const void *src, size_t bytes) override {
         if (!bytes) return;
         if (bytes <= kStagingBytes && !capturing_) {
@@ -148,7 +149,7 @@ public:
             cuda::convert(src, src_dtype, count, as_bf16(dst), stream_);
             return;
         }
-        // Host rows: round to bf16 on the host, then one upload (pageable: staged before return).
+        // Host rows: round to bf16 on the host, then one upload (staged before return).
         std::vector<uint16_t> rows(static_cast<size_t>(count));
         for (int64_t i = 0; i < count; ++i) rows[size_t(i)] = float_to_bf16(load_as_float(src, src_dtype, i));
         upload(dst, rows.data(), rows.size() * sizeof(uint16_t));
