@@ -469,7 +469,7 @@ template <int HD>
 __global__ void __launch_bounds__(kT8Warps * 32)
 attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part, int tile_vectors) {
+                     PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
     // keys.fresh_keys >= 0: the first chunk's settled keys are staged before the wait (below).
     const bool early = keys.fresh_keys >= 0;
@@ -497,8 +497,8 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, qd = lane & 3;
     const int n_vec = nq * group;
-    const int vec_base = blockIdx.z * tile_vectors;  // tile_vectors: 16, 32 or 64 (attention_tile_vectors)
-    const int tile_vecs = min(tile_vectors, n_vec - vec_base);
+    const int vec_base = blockIdx.z * kTcVectors;
+    const int tile_vecs = min(kTcVectors, n_vec - vec_base);
     const int m_tiles = (tile_vecs + 15) / 16;  // block-uniform
 
     // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
@@ -833,17 +833,6 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// The query vectors of an eight-warp block (its query tile): 64 (4 m16 tiles), or DFLASH_ATTN_TILE=32 / 16 (an
-// experiment: more blocks, each with a shorter chain of m tiles; the splits stay those of 64-vector tiles, so every
-// vector's sums are the same). Read once.
-int attention_tile_vectors() {
-    static const EnvInt setting = env_int("DFLASH_ATTN_TILE", kTcVectors, 16, kTcVectors);
-    const int64_t v = env_value(setting, "DFLASH_ATTN_TILE", "is not 16, 32 or 64");
-    if (v != 16 && v != 32 && v != 64)
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_TILE=", v, " is not 16, 32 or 64");
-    return int(v);
-}
-
 // The eight-warp tensor-core kernel (attention_tc8_kernel) unless DFLASH_ATTN_WARPS=4 (the four-warp one). Read once.
 bool tc8_enabled() {
     static const bool on = [] {
@@ -916,16 +905,10 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
                mask.causal, mask.window, keys, out_part, ml_part);
     };
     if (tc && tc8_enabled() && allow_tc8_smem()) {
-        const int tile = attention_tile_vectors();
-        const dim3 grid8(unsigned(n_kv_heads), unsigned(p.splits), unsigned((nq * (n_heads / n_kv_heads) + tile - 1) / tile));
-        auto go8 = [&](auto kernel, size_t smem) {
-            launch(kernel, grid8, kT8Warps * 32, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads),
-                   scale, mask.causal, mask.window, keys, out_part, ml_part, tile);
-        };
         if (head_dim == 128)
-            go8(attention_tc8_kernel<128>, t8_smem_bytes<128>());
+            go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
         else
-            go8(attention_tc8_kernel<64>, t8_smem_bytes<64>());
+            go(attention_tc8_kernel<64>, kT8Warps * 32, t8_smem_bytes<64>());
     } else if (tc) {
         // 3 stages where a split may read 3 chunks or more (by the ring's capacity, never the key count),
         // else 2: the stage count changes when bytes arrive, never the sums.
