@@ -275,7 +275,7 @@ std::unique_ptr<DrafterSeq> Drafter::alloc_seq(int32_t budget_tokens) {
     backend_->upload(seq->slot_positions_dev.get(), seq->slot_positions.data(),
                      seq->slot_positions_dev.bytes());
     seq->features = DeviceBuffer(backend_.get(), size_t(chunk_rows_) * size_t(feature_width_) * act_size_);
-    {  // zeros: a graphed propose projects padding rows past the pending ones (nothing else reads unwritten rows)
+    if (backend_->graphs_enabled()) {  // zeros: only a graphed propose reads rows past the pending ones (padding)
         const std::vector<uint8_t> zeros(seq->features.bytes(), 0);
         backend_->upload(seq->features.get(), zeros.data(), zeros.size());
     }
