@@ -260,6 +260,20 @@ public:
         head_norm_rope(kv, rows, kv_heads, head_dim, ldkv, k_norm, eps, positions, inv_freq, attention_factor);
         kv_write(kv, v, rows, ldkv, slots, kv_width, k_cache, v_cache);
     }
+    // qkv_norm_rope_write's kv part (heads = 0) for `layers` layers of the same rows at once: layer l's
+    // [k | v] start at column l * layer_ld of kv (the drafter's context K/V, every layer in one GEMM row), its
+    // k norm is k_norms[l] (or none: k_norms null), its caches k_caches[l] / v_caches[l]. The same values as
+    // one qkv_norm_rope_write per layer (the default), in one launch where the backend fuses it.
+    virtual void kv_norm_rope_write_layers(void *kv, int64_t ldkv, int64_t layer_ld, int64_t layers, int64_t rows,
+                                           int64_t kv_heads, int64_t head_dim, const WeightView *const *k_norms,
+                                           float eps, const int32_t *positions, const float *inv_freq,
+                                           float attention_factor, const int32_t *slots, void *const *k_caches,
+                                           void *const *v_caches) {
+        for (int64_t l = 0; l < layers; ++l)
+            qkv_norm_rope_write(nullptr, 0, static_cast<char *>(kv) + size_t(l * layer_ld) * dtype_size(act_dtype()),
+                                ldkv, rows, 0, kv_heads, head_dim, nullptr, k_norms ? k_norms[l] : nullptr, eps,
+                                positions, inv_freq, attention_factor, slots, k_caches[l], v_caches[l]);
+    }
     // out[rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu: [rows, 2*inter]
     virtual void swiglu(const void *gate_up, int64_t rows, int64_t inter, void *out) = 0;
     // out[m, inter] = swiglu(x . gate_up^T) with the fused [gate; up] weight ([2 * inter, k]):

@@ -354,12 +354,17 @@ void Drafter::enqueue_projection(const void *features, int64_t P) {
     backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps,
                        ctx_h_.get(), H);
     backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_);
+    // Every layer's k norm + RoPE and cache writes in one call (one launch on cuda).
+    std::vector<const WeightView *> k_norms;
+    std::vector<void *> k_caches, v_caches;
     for (int l = 0; l < p_.num_layers; ++l) {
-        void *k = act(ctx_kv_, int64_t(l) * 2 * kv_width_);
-        backend_->qkv_norm_rope_write(nullptr, 0, k, fused_kv_width_, P, 0, nkv, hd, nullptr, &layers_[l].k_norm,
-                                      p_.rms_norm_eps, ctx_pos, inv_freq_.as<float>(), rope_.attention_factor,
-                                      ctx_slots, k_cache_[l].get(), v_cache_[l].get());
+        k_norms.push_back(&layers_[l].k_norm);
+        k_caches.push_back(k_cache_[l].get());
+        v_caches.push_back(v_cache_[l].get());
     }
+    backend_->kv_norm_rope_write_layers(ctx_kv_.get(), fused_kv_width_, 2 * kv_width_, p_.num_layers, P, nkv, hd,
+                                        k_norms.data(), p_.rms_norm_eps, ctx_pos, inv_freq_.as<float>(),
+                                        rope_.attention_factor, ctx_slots, k_caches.data(), v_caches.data());
 }
 
 void Drafter::append_context(DrafterSeq &seq, const void *data, dflash_dtype dtype,

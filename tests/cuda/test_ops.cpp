@@ -1337,26 +1337,29 @@ void test_kv_write() {
 
 // The attention inputs' step: norm + rope of q and k heads in place, k and v into the caches, on
 // the target's fused q/k/v rows (heads > 0) and the drafter's context K/V rows (heads = 0: kv
-// only, inside a wider row). The host side is Backend's default (head_norm_rope twice, kv_write).
+// only, inside a wider row; layers > 1: kv_norm_rope_write_layers over that many layers' [k | v] in
+// the row, each with its own norm and caches). The host side is Backend's default (head_norm_rope
+// twice, kv_write; once per layer).
 void test_qkv_norm_rope_write() {
     Group g("qkv_norm_rope_write");
     if (!g.enabled()) return;
-    struct Shape { int64_t rows, heads, kv_heads, head_dim; bool norm; int64_t num_blocks; };
-    std::vector<Shape> shapes = {{1, 32, 8, 128, true, 2}, {16, 32, 8, 128, true, 4}, {17, 4, 1, 64, false, 3},
-                                 {7, 8, 2, 256, true, 2},  {3, 3, 1, 20, true, 1},   {23, 0, 8, 128, true, 3}};
+    struct Shape { int64_t rows, heads, kv_heads, head_dim; bool norm; int64_t num_blocks, layers = 1; };
+    std::vector<Shape> shapes = {{1, 32, 8, 128, true, 2},     {16, 32, 8, 128, true, 4}, {17, 4, 1, 64, false, 3},
+                                 {7, 8, 2, 256, true, 2},      {3, 3, 1, 20, true, 1},    {23, 0, 8, 128, true, 3},
+                                 {16, 0, 8, 128, true, 3, 5},  {9, 0, 2, 64, false, 2, 18}};
     if (g_opt.level == SMOKE) shapes = {{16, 32, 8, 128, true, 4}};
     const int64_t bs = DFLASH_KV_BLOCK_SIZE;
     for (const Shape &s : shapes)
         g.run(cat("rows=", s.rows, " heads=", s.heads, "/", s.kv_heads, " head_dim=", s.head_dim,
-                  s.norm ? "" : " no norm"),
+                  s.norm ? "" : " no norm", s.layers > 1 ? cat(" layers=", s.layers) : std::string()),
               [&](Case &c) {
                   // heads = 0: the kv rows sit inside a wider row, as in the drafter's fused context K/V
-                  const int64_t kv_width = s.kv_heads * s.head_dim;
+                  const int64_t kv_width = s.kv_heads * s.head_dim, L = s.layers;
                   const int64_t q_width = s.heads ? s.heads * s.head_dim : 3 * kv_width;
-                  const int64_t ld = q_width + 2 * kv_width;
+                  const int64_t ld = q_width + 2 * kv_width * L;
                   const int64_t slots_total = s.num_blocks * bs;
                   const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.rows * ld), 1.5f);
-                  std::vector<float> wq(size_t(s.head_dim)), wk(size_t(s.head_dim));
+                  std::vector<float> wq(size_t(s.head_dim)), wk(size_t(s.head_dim * L));
                   for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
                   for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
                   const std::vector<int32_t> pos = random_positions(c.rng, s.rows, 40000);
@@ -1369,33 +1372,49 @@ void test_qkv_norm_rope_write() {
                   for (int64_t r = s.rows - s.rows / 3; r < s.rows; ++r) slots[size_t(r)] = -1;
                   const size_t cache = size_t(slots_total * kv_width);
                   std::vector<float> x_out[2];
-                  std::vector<std::vector<uint8_t>> caches[2];
+                  std::vector<std::vector<uint8_t>> caches[2];  // layer l's k cache at 2 l, its v cache at 2 l + 1
                   for (int b = 0; b < 2; ++b) {
                       Backend &be = b ? *C : *H;
                       Weight w_q = upload_weight(be, wq, 1, s.head_dim);
-                      Weight w_k = upload_weight(be, wk, 1, s.head_dim);
+                      Weight w_k = upload_weight(be, wk, L, s.head_dim);
                       DeviceBuffer x = upload_act(be, qkv), p = upload_vec(be, pos), f = upload_vec(be, inv_freq);
                       DeviceBuffer sl = upload_vec(be, slots);
-                      DeviceBuffer kc = poisoned(be, cache * act_size(be));
-                      DeviceBuffer vc = poisoned(be, cache * act_size(be));
+                      std::vector<DeviceBuffer> cb;
+                      for (int64_t i = 0; i < 2 * L; ++i) cb.push_back(poisoned(be, cache * act_size(be)));
                       void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
-                      be.qkv_norm_rope_write(s.heads ? x.get() : nullptr, ld, kv, ld, s.rows, s.heads, s.kv_heads,
-                                             s.head_dim, s.norm ? &w_q.view : nullptr, s.norm ? &w_k.view : nullptr,
-                                             1e-6f,
-                                             p.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>(), kc.get(),
-                                             vc.get());
+                      if (L == 1) {
+                          be.qkv_norm_rope_write(s.heads ? x.get() : nullptr, ld, kv, ld, s.rows, s.heads,
+                                                 s.kv_heads, s.head_dim, s.norm ? &w_q.view : nullptr,
+                                                 s.norm ? &w_k.view : nullptr, 1e-6f, p.as<int32_t>(), f.as<float>(),
+                                                 1.f, sl.as<int32_t>(), cb[0].get(), cb[1].get());
+                      } else {  // heads = 0
+                          std::vector<WeightView> norms;
+                          std::vector<const WeightView *> norm_ptrs;
+                          std::vector<void *> kc, vc;
+                          for (int64_t l = 0; l < L; ++l) {
+                              norms.push_back(w_k.view.slice_rows(l, 1));
+                              kc.push_back(cb[size_t(2 * l)].get());
+                              vc.push_back(cb[size_t(2 * l + 1)].get());
+                          }
+                          for (const WeightView &w : norms) norm_ptrs.push_back(&w);
+                          be.kv_norm_rope_write_layers(kv, ld, 2 * kv_width, L, s.rows, s.kv_heads, s.head_dim,
+                                                       s.norm ? norm_ptrs.data() : nullptr, 1e-6f, p.as<int32_t>(),
+                                                       f.as<float>(), 1.f, sl.as<int32_t>(), kc.data(), vc.data());
+                      }
                       sync(be);
                       x_out[b] = download_act(be, x.get(), size_t(s.rows * ld));
-                      for (const DeviceBuffer *cb : {&kc, &vc})
-                          caches[b].push_back(download_bytes(be, cb->get(), cache * act_size(be)));
+                      for (const DeviceBuffer &buf : cb)
+                          caches[b].push_back(download_bytes(be, buf.get(), cache * act_size(be)));
                   }
                   c.close("qkv", x_out[1], x_out[0], kTolBf16);
                   std::vector<bool> written(size_t(slots_total), false);
                   for (int32_t sl : slots)
                       if (sl >= 0) written[size_t(sl)] = true;
-                  for (int which = 0; which < 2; ++which) {
-                      const std::vector<float> all_h = decode(H->act_dtype(), caches[0][size_t(which)]);
-                      const std::vector<float> all_c = decode(C->act_dtype(), caches[1][size_t(which)]);
+                  for (size_t which = 0; which < size_t(2 * L); ++which) {
+                      const std::string name = cat(which % 2 ? "v_cache" : "k_cache",
+                                                   L > 1 ? cat(" of layer ", which / 2) : std::string());
+                      const std::vector<float> all_h = decode(H->act_dtype(), caches[0][which]);
+                      const std::vector<float> all_c = decode(C->act_dtype(), caches[1][which]);
                       std::vector<float> got, ref;
                       int64_t stray = 0;
                       for (int64_t sl = 0; sl < slots_total; ++sl)
@@ -1404,13 +1423,12 @@ void test_qkv_norm_rope_write() {
                               if (written[size_t(sl)]) {
                                   got.push_back(all_c[i]);
                                   ref.push_back(all_h[i]);
-                              } else if (!still_poisoned(caches[1][size_t(which)], act_size(*C), i)) {
+                              } else if (!still_poisoned(caches[1][which], act_size(*C), i)) {
                                   ++stray;
                               }
                           }
-                      c.close(which ? "v_cache" : "k_cache", got, ref, kTolBf16);
-                      c.check(stray == 0, cat(which ? "v_cache: " : "k_cache: ", stray,
-                                              " element(s) of unlisted slots written"));
+                      c.close(name.c_str(), got, ref, kTolBf16);
+                      c.check(stray == 0, cat(name, ": ", stray, " element(s) of unlisted slots written"));
                   }
               });
 }

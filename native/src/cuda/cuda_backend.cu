@@ -316,6 +316,29 @@ public:
                                   eps, positions, inv_freq, attention_factor, slots, as_bf16(k_cache),
                                   as_bf16(v_cache), stream_);
     }
+    void kv_norm_rope_write_layers(void *kv, int64_t ldkv, int64_t layer_ld, int64_t layers, int64_t rows,
+                                   int64_t kv_heads, int64_t head_dim, const WeightView *const *k_norms, float eps,
+                                   const int32_t *positions, const float *inv_freq, float attention_factor,
+                                   const int32_t *slots, void *const *k_caches, void *const *v_caches) override {
+        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
+        if (!fused || !cuda::qkv_norm_rope_write_fused(head_dim)) {
+            Backend::kv_norm_rope_write_layers(kv, ldkv, layer_ld, layers, rows, kv_heads, head_dim, k_norms, eps,
+                                               positions, inv_freq, attention_factor, slots, k_caches, v_caches);
+            return;
+        }
+        for (int64_t l0 = 0; l0 < layers; l0 += cuda::kMaxRopeLayers) {  // kMaxRopeLayers a launch
+            const int n = int(std::min<int64_t>(cuda::kMaxRopeLayers, layers - l0));
+            cuda::RopeLayers per_layer{};
+            for (int i = 0; i < n; ++i) {
+                const WeightView *w = k_norms ? k_norms[l0 + i] : nullptr;
+                per_layer.k_norm[i] = w ? weight_data(*w, "kv_norm_rope_write_layers") : nullptr;
+                per_layer.k_cache[i] = as_bf16(k_caches[l0 + i]);
+                per_layer.v_cache[i] = as_bf16(v_caches[l0 + i]);
+            }
+            cuda::kv_norm_rope_write_layers(as_bf16(kv) + l0 * layer_ld, ldkv, layer_ld, n, rows, kv_heads, head_dim,
+                                            per_layer, eps, positions, inv_freq, attention_factor, slots, stream_);
+        }
+    }
     void head_norm_rope(void *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                         const WeightView *w, float eps, const int32_t *positions,
                         const float *inv_freq, float attention_factor) override {

@@ -41,6 +41,15 @@ void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t r
                          int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps,
                          const int32_t *positions, const float *inv_freq, float attention_factor,
                          const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s);
+// Backend::kv_norm_rope_write_layers in one kernel per kMaxRopeLayers layers (qkv_norm_rope_write_fused)
+constexpr int kMaxRopeLayers = 16;
+struct RopeLayers {
+    const bf16 *k_norm[kMaxRopeLayers];  // nullptr: no norm
+    bf16 *k_cache[kMaxRopeLayers], *v_cache[kMaxRopeLayers];
+};
+void kv_norm_rope_write_layers(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows, int64_t kv_heads,
+                               int64_t head_dim, const RopeLayers &per_layer, float eps, const int32_t *positions,
+                               const float *inv_freq, float attention_factor, const int32_t *slots, cudaStream_t s);
 // per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
 void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                     const bf16 *w, float eps, const int32_t *positions, const float *inv_freq,

@@ -101,6 +101,19 @@ __device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, bool norm,
     }
 }
 
+// A v head from src to dst (this warp): every load first, then the stores (a loop of load-store pairs took one L2
+// round trip per 32 elements: dst may alias src as far as the compiler knows), so this warp is not the kernel's
+// tail.
+__device__ __forceinline__ void copy_head(const bf16 *src, bf16 *dst, int head_dim, int lane) {
+    bf16 vals[2 * kMaxPairsPerLane];
+#pragma unroll
+    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
+        if (lane + 32 * i < head_dim) vals[i] = src[lane + 32 * i];
+#pragma unroll
+    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
+        if (lane + 32 * i < head_dim) dst[lane + 32 * i] = vals[i];
+}
+
 __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
                                       const bf16 *w, float eps, const int32_t *positions,
                                       const float *inv_freq, float attention_factor) {
@@ -150,16 +163,38 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
         return;
     }
     if (slot < 0) return;
-    // A v head: every load first, then the stores (a loop of load-store pairs took one L2 round trip per 32
-    // elements: dst may alias src as far as the compiler knows), so this warp is not the kernel's tail.
-    bf16 *dst = v_cache + slot * kv_width + int64_t(h - heads - kv_heads) * head_dim;
-    bf16 vals[2 * kMaxPairsPerLane];
-#pragma unroll
-    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
-        if (lane + 32 * i < head_dim) vals[i] = src[lane + 32 * i];
-#pragma unroll
-    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
-        if (lane + 32 * i < head_dim) dst[lane + 32 * i] = vals[i];
+    copy_head(src, v_cache + slot * kv_width + int64_t(h - heads - kv_heads) * head_dim, head_dim, lane);
+}
+
+// kv_norm_rope_write_kernel's k and v part for several layers of the same rows: one warp per (row, layer,
+// head), a row's items counted layer by layer (k heads, then v heads); layer l's heads at column l * layer_ld.
+__global__ void kv_norm_rope_write_layers_kernel(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows,
+                                                 int kv_heads, int head_dim, RopeLayers per_layer, float eps,
+                                                 const int32_t *positions, const float *inv_freq,
+                                                 float attention_factor, const int32_t *slots) {
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, per_layer_items = 2 * kv_heads, per_row = layers * per_layer_items;
+    const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+    const bool ok = item < rows * per_row;
+    const int64_t row = ok ? item / per_row : 0;
+    const int in_row = ok ? int(item % per_row) : 0;
+    const int l = in_row / per_layer_items, h = in_row % per_layer_items;
+    const bf16 *w = per_layer.k_norm[l];
+    LaneRope r{};
+    int64_t slot = 0;
+    if (ok && h < kv_heads) r = lane_rope(head_dim, w, float(positions[row]), inv_freq, attention_factor, lane);
+    if (ok) slot = slots[row];  // the step's upload too
+    pdl_wait();
+    if (!ok) return;
+    bf16 *src = kv + row * ldkv + l * layer_ld + int64_t(h) * head_dim;  // k heads, then v heads
+    const int64_t kv_width = int64_t(kv_heads) * head_dim;
+    if (h < kv_heads) {
+        norm_rope_head(src, head_dim, w != nullptr, eps, r,
+                       slot < 0 ? nullptr : per_layer.k_cache[l] + slot * kv_width + int64_t(h) * head_dim, lane);
+        return;
+    }
+    if (slot < 0) return;
+    copy_head(src, per_layer.v_cache[l] + slot * kv_width + int64_t(h - kv_heads) * head_dim, head_dim, lane);
 }
 
 }  // namespace
@@ -192,6 +227,20 @@ void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t r
     launch(qkv_norm_rope_write_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
            kWarpsPerBlock * 32, 0, s, q, ldq, kv, ldkv, rows, int(heads), int(kv_heads), int(head_dim), q_norm,
            k_norm, eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
+}
+
+void kv_norm_rope_write_layers(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows, int64_t kv_heads,
+                               int64_t head_dim, const RopeLayers &per_layer, float eps, const int32_t *positions,
+                               const float *inv_freq, float attention_factor, const int32_t *slots, cudaStream_t s) {
+    const int64_t items = rows * layers * 2 * kv_heads;
+    if (items == 0) return;
+    if (!qkv_norm_rope_write_fused(head_dim) || layers < 1 || layers > kMaxRopeLayers ||
+        layers * 2 * kv_heads > INT32_MAX)
+        fail(DFLASH_STATUS_INTERNAL, "kv_norm_rope_write_layers: head_dim ", head_dim, ", ", layers,
+             " layers: not fused");
+    launch(kv_norm_rope_write_layers_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
+           kWarpsPerBlock * 32, 0, s, kv, ldkv, layer_ld, layers, rows, int(kv_heads), int(head_dim), per_layer, eps,
+           positions, inv_freq, attention_factor, slots);
 }
 
 void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
