@@ -704,7 +704,12 @@ constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 // chunk lies past the last key wrote nothing) and writes bf16. The key count (which sets the splits) is read
 // before the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it), so the split records
 // are the first round trip after it. The split weights exp(m_s - max) are computed once, in parallel, into
-// shared memory; then each thread sums its dims over the splits with independent loads.
+// shared memory; then each thread sums its dims over the splits, kBatch loads in flight at once (predicated
+// past the last split, so the sums are the same sequence of fmas in split order whatever kBatch is).
+// (`#pragma unroll 16` over the splits left the remainder loop one load at a time: 20 splits, a propose's at
+// ctx 1200 in a sequence of 33 grid splits, took 1 + 4 dependent L2 round trips; 6.8 us of a drafter layer's
+// critical path on the H200 against 3.2 us at 17 splits, session 28.)
+template <int kBatch>
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
@@ -740,11 +745,26 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
     for (int sp = 0; sp < splits; ++sp) total = fmaf(l_s[sp], weight_s[sp], total);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-#pragma unroll 16
-        for (int sp = 0; sp < splits; ++sp)
-            acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
+        for (int sp0 = 0; sp0 < splits; sp0 += kBatch) {
+            float v[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                v[u] = sp0 + u < splits ? out_part[((sp0 + u) * stride + idx) * hd + d] : 0.f;
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                if (sp0 + u < splits) acc = fmaf(v[u], weight_s[sp0 + u], acc);
+        }
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
+}
+
+// The combine's loads in flight per thread (attention_combine_kernel's kBatch): 16, or 32 with
+// DFLASH_ATTN_COMBINE_BATCH=32 (an A/B switch; the sums are the same). Read once.
+int combine_batch() {
+    static const EnvInt setting = env_int("DFLASH_ATTN_COMBINE_BATCH", 16, 16, 32);
+    const int64_t v = env_value(setting, "DFLASH_ATTN_COMBINE_BATCH", "is not 16 or 32");
+    if (v != 16 && v != 32) fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_COMBINE_BATCH=", v, " (16 or 32)");
+    return int(v);
 }
 
 struct Plan {
@@ -935,8 +955,9 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
-    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
-        out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
+    launch(combine_batch() == 32 ? attention_combine_kernel<32> : attention_combine_kernel<16>,
+           unsigned(nq * n_heads), 128, 0, s, out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads),
+           int(head_dim), out);
 }
 
 }  // namespace cuda
