@@ -699,16 +699,19 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
+static_assert(kMaxSplits % 32 == 0, "the combine pads its weights to a multiple of its batch");
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
 // chunk lies past the last key wrote nothing) and writes bf16. The key count (which sets the splits) is read
 // before the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it), so the split records
 // are the first round trip after it. The split weights exp(m_s - max) are computed once, in parallel, into
-// shared memory; then each thread sums its dims over the splits, kBatch loads in flight at once (predicated
-// past the last split, so the sums are the same sequence of fmas in split order whatever kBatch is).
+// shared memory; then each thread sums its dims over the splits, kBatch unconditional loads in flight at once
+// (a load past the last split re-reads the last one and meets a zero weight: fmaf(v, 0, acc) == acc, so the
+// sums are the same fmas in split order whatever kBatch is).
 // (`#pragma unroll 16` over the splits left the remainder loop one load at a time: 20 splits, a propose's at
 // ctx 1200 in a sequence of 33 grid splits, took 1 + 4 dependent L2 round trips; 6.8 us of a drafter layer's
-// critical path on the H200 against 3.2 us at 17 splits, session 28.)
+// critical path on the H200 against 3.2 us at 17 splits. Loads predicated past the last split compiled to a
+// branch around each load and measured 12.7 us; session 28.)
 template <int kBatch>
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
@@ -736,8 +739,9 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
         best = fmaxf(best, part.m);
     }
     best = block_max(best, scratch);  // its barriers also publish weight_s and l_s
-    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
-        const float m = weight_s[sp];
+    const int padded = (splits + kBatch - 1) / kBatch * kBatch;  // <= kMaxSplits (a multiple of kBatch)
+    for (int sp = threadIdx.x; sp < padded; sp += blockDim.x) {
+        const float m = sp < splits ? weight_s[sp] : -INFINITY;
         weight_s[sp] = m == -INFINITY ? 0.f : __expf(m - best);
     }
     __syncthreads();
@@ -749,10 +753,9 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
             float v[kBatch];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u)
-                v[u] = sp0 + u < splits ? out_part[((sp0 + u) * stride + idx) * hd + d] : 0.f;
+                v[u] = out_part[(min(sp0 + u, splits - 1) * stride + idx) * hd + d];
 #pragma unroll
-            for (int u = 0; u < kBatch; ++u)
-                if (sp0 + u < splits) acc = fmaf(v[u], weight_s[sp0 + u], acc);
+            for (int u = 0; u < kBatch; ++u) acc = fmaf(v[u], weight_s[sp0 + u], acc);
         }
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
