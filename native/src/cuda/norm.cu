@@ -44,60 +44,96 @@ __device__ __forceinline__ uint4 normed8(const uint4 &x, const uint4 &w, float i
     return o;
 }
 
+// The vector kernels' pieces per thread: a thread holds its x (and w) pieces in registers between the sum of
+// squares and the output, so the output needs no second round trip; wider rows take the scalar kernels.
+constexpr int kMaxPieces = 2;  // dim <= 1024 threads x 2 x 8 = 16384
+
 // The same with 16-byte accesses: dim % 8 == 0, rows 16-byte aligned; blockDim.x = a multiple of
-// 32 covering dim / 8 pieces (most threads own one). Same statistics order for every row count.
-__global__ void rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
+// 32 covering dim / 8 pieces in at most kMaxPieces per thread (most threads own one). Same statistics order
+// for every row count. w (a weight, constant) is loaded before the wait for the kernel before.
+__global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
                                     const bf16 *w, float eps, bf16 *y, int64_t ld_y) {
-    pdl_prologue();
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
     const uint4 *in = reinterpret_cast<const uint4 *>(x + row * ld_x + g * dim);
     uint4 *out = reinterpret_cast<uint4 *>(y + row * ld_y + g * dim);
     const uint4 *wv = reinterpret_cast<const uint4 *>(w);
     const int pieces = int(dim / 8);
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
-        float v[8];
-        unpack8(in[i], v);
+    const uint4 ones = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);  // bf16 1.0 x 8
+    uint4 wr[kMaxPieces], xv[kMaxPieces];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        wr[u] = wv && i < pieces ? wv[i] : ones;
+    }
+    pdl_wait();
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < pieces) {
+            xv[u] = in[i];
+            float v[8];
+            unpack8(xv[u], v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+        }
     }
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
-    const uint4 ones = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);  // bf16 1.0 x 8
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(in[i], wv ? wv[i] : ones, inv);
+#pragma unroll
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < pieces) out[i] = normed8(xv[u], wr[u], inv);
+    }
 }
 
 // x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one
-// block per row, 16-byte pieces; a thread owns the same pieces in both passes, so y may alias res.
-__global__ void add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps,
+// block per row, 16-byte pieces held in registers (at most kMaxPieces per thread), so y may alias res; w is
+// loaded before the wait.
+__global__ void __launch_bounds__(1024) add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps,
                                     bf16 *y) {
-    pdl_prologue();
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     uint4 *xr = reinterpret_cast<uint4 *>(x + int64_t(blockIdx.x) * dim);
     const uint4 *rr = reinterpret_cast<const uint4 *>(res + int64_t(blockIdx.x) * dim);
     uint4 *out = reinterpret_cast<uint4 *>(y + int64_t(blockIdx.x) * dim);
     const uint4 *wv = reinterpret_cast<const uint4 *>(w);
     const int pieces = int(dim / 8);
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
-        float a[8], b[8];
-        unpack8(xr[i], a);
-        unpack8(rr[i], b);
-        uint4 o;
-        __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&o);
+    uint4 wr[kMaxPieces], sum[kMaxPieces];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            oh[e] = __halves2bfloat162(to_bf16(a[2 * e] + b[2 * e]), to_bf16(a[2 * e + 1] + b[2 * e + 1]));
-            const float2 f = __bfloat1622float2(oh[e]);
-            ss += f.x * f.x;
-            ss += f.y * f.y;
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < pieces) wr[u] = wv[i];
+    }
+    pdl_wait();
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < pieces) {
+            float a[8], b[8];
+            unpack8(xr[i], a);
+            unpack8(rr[i], b);
+            __nv_bfloat162 *oh = reinterpret_cast<__nv_bfloat162 *>(&sum[u]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                oh[e] = __halves2bfloat162(to_bf16(a[2 * e] + b[2 * e]), to_bf16(a[2 * e + 1] + b[2 * e + 1]));
+                const float2 f = __bfloat1622float2(oh[e]);
+                ss += f.x * f.x;
+                ss += f.y * f.y;
+            }
+            xr[i] = sum[u];
         }
-        xr[i] = o;
     }
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / float(dim) + eps);
-    for (int i = threadIdx.x; i < pieces; i += blockDim.x) out[i] = normed8(xr[i], wv[i], inv);
+#pragma unroll
+    for (int u = 0; u < kMaxPieces; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < pieces) out[i] = normed8(sum[u], wr[u], inv);
+    }
 }
 
 // One thread per (row, part of 16 columns), the squares summed in column order.
@@ -129,8 +165,8 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
               const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s) {
     if (rows * groups == 0) return;
     if (rows * groups > INT32_MAX) fail(DFLASH_STATUS_INTERNAL, "rms_norm: too many rows");
-    if (dim % 8 == 0 && ld_x % 8 == 0 && ld_y % 8 == 0 && aligned16(x) && aligned16(y) &&
-        aligned16(w)) {
+    if (dim % 8 == 0 && dim / 8 <= 1024 * kMaxPieces && ld_x % 8 == 0 && ld_y % 8 == 0 && aligned16(x) &&
+        aligned16(y) && aligned16(w)) {
         const int64_t pieces = dim / 8;
         const unsigned threads = unsigned(std::min<int64_t>(1024, (pieces + 31) / 32 * 32));
         launch(rms_norm_vec_kernel, unsigned(rows * groups), threads, 0, s, x, groups, dim, ld_x, w, eps,
@@ -144,7 +180,8 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
 void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
                   bf16 *y, cudaStream_t s) {
     if (rows == 0) return;
-    if (dim % 8 == 0 && aligned16(x) && aligned16(res) && aligned16(y) && aligned16(w)) {
+    if (dim % 8 == 0 && dim / 8 <= 1024 * kMaxPieces && aligned16(x) && aligned16(res) && aligned16(y) &&
+        aligned16(w)) {
         const unsigned threads = unsigned(std::min<int64_t>(1024, (dim / 8 + 31) / 32 * 32));
         launch(add_rms_norm_kernel, unsigned(rows), threads, 0, s, x, res, dim, w, eps, y);
     } else {  // the same roundings in two launches
