@@ -722,7 +722,9 @@ void test_rms_norm() {
         {1, 1, 64, 0, 0, false},     {17, 1, 1024, 0, 0, false},   {97, 1, 4096, 64, 8, false},
         {7, 32, 128, 2048, 0, true},  // q_norm inside a fused qkv row
         {17, 8, 128, 1024, 1024, true}, {97, 4, 64, 256, 0, false}, {16, 2, 1024, 0, 0, false},
-        {2, 2, 64, 0, 0, true}};
+        {2, 2, 64, 0, 0, true},
+        {3, 1, 12288, 0, 8, false},   // two 16-byte pieces for some threads of the vector kernel
+        {2, 1, 16400, 0, 0, true}};   // past the vector kernel's 16384: the scalar kernel
     if (g_opt.level == SMOKE) shapes = {{17, 8, 128, 1024, 1024, true}, {17, 1, 1024, 0, 0, false}};
     for (const Shape &s : shapes)
         g.run(cat("rows=", s.rows, " groups=", s.groups, " dim=", s.dim, " ld_x=+", s.pad_x,
@@ -850,7 +852,8 @@ void test_add_rms_norm() {
     Group g("add_rms_norm");
     if (!g.enabled()) return;
     struct Shape { int64_t rows, dim; };
-    std::vector<Shape> shapes = {{1, 64}, {17, 1024}, {16, 4096}, {97, 2560}, {3, 36}};
+    // 12288: two pieces for some threads; 16400: past the one-kernel form's 16384 (an add, then a norm)
+    std::vector<Shape> shapes = {{1, 64}, {17, 1024}, {16, 4096}, {97, 2560}, {3, 36}, {3, 12288}, {2, 16400}};
     if (g_opt.level == SMOKE) shapes = {{17, 1024}, {3, 36}};
     for (const Shape &s : shapes)
         g.run(cat("rows=", s.rows, " dim=", s.dim, " y aliases res"), [&](Case &c) {
