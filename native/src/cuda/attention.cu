@@ -699,20 +699,14 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
-static_assert(kMaxSplits % 32 == 0, "the combine pads its weights to a multiple of its batch");
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
 // chunk lies past the last key wrote nothing) and writes bf16. The key count (which sets the splits) is read
 // before the wait where it is settled (keys.fresh_keys >= 0: the step's upload wrote it), so the split records
 // are the first round trip after it. The split weights exp(m_s - max) are computed once, in parallel, into
-// shared memory; then each thread sums its dims over the splits, kBatch unconditional loads in flight at once
-// (a load past the last split re-reads the last one and meets a zero weight: fmaf(v, 0, acc) == acc, so the
-// sums are the same fmas in split order whatever kBatch is).
-// (`#pragma unroll 16` over the splits left the remainder loop one load at a time: 20 splits, a propose's at
-// ctx 1200 in a sequence of 33 grid splits, took 1 + 4 dependent L2 round trips; 6.8 us of a drafter layer's
-// critical path on the H200 against 3.2 us at 17 splits. Loads predicated past the last split compiled to a
-// branch around each load and measured 12.7 us; session 28.)
-template <int kBatch>
+// shared memory; then each thread sums its dims over the splits with independent loads. (Past 16 splits the
+// unrolled loop's remainder issues one load at a time; batches of 16 or 32 loads, predicated or clamped to the
+// last split, were no faster for a propose and up to 3% slower for verify: sessions 28-29, README.)
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
@@ -739,9 +733,8 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
         best = fmaxf(best, part.m);
     }
     best = block_max(best, scratch);  // its barriers also publish weight_s and l_s
-    const int padded = (splits + kBatch - 1) / kBatch * kBatch;  // <= kMaxSplits (a multiple of kBatch)
-    for (int sp = threadIdx.x; sp < padded; sp += blockDim.x) {
-        const float m = sp < splits ? weight_s[sp] : -INFINITY;
+    for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
+        const float m = weight_s[sp];
         weight_s[sp] = m == -INFINITY ? 0.f : __expf(m - best);
     }
     __syncthreads();
@@ -749,25 +742,11 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
     for (int sp = 0; sp < splits; ++sp) total = fmaf(l_s[sp], weight_s[sp], total);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
-        for (int sp0 = 0; sp0 < splits; sp0 += kBatch) {
-            float v[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u)
-                v[u] = out_part[(min(sp0 + u, splits - 1) * stride + idx) * hd + d];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) acc = fmaf(v[u], weight_s[sp0 + u], acc);
-        }
+#pragma unroll 16
+        for (int sp = 0; sp < splits; ++sp)
+            acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
-}
-
-// The combine's loads in flight per thread (attention_combine_kernel's kBatch): 16, or 32 with
-// DFLASH_ATTN_COMBINE_BATCH=32 (an A/B switch; the sums are the same). Read once.
-int combine_batch() {
-    static const EnvInt setting = env_int("DFLASH_ATTN_COMBINE_BATCH", 16, 16, 32);
-    const int64_t v = env_value(setting, "DFLASH_ATTN_COMBINE_BATCH", "is not 16 or 32");
-    if (v != 16 && v != 32) fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_COMBINE_BATCH=", v, " (16 or 32)");
-    return int(v);
 }
 
 struct Plan {
@@ -958,9 +937,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
-    launch(combine_batch() == 32 ? attention_combine_kernel<32> : attention_combine_kernel<16>,
-           unsigned(nq * n_heads), 128, 0, s, out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads),
-           int(head_dim), out);
+    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
+        out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
 
 }  // namespace cuda
