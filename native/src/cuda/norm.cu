@@ -48,11 +48,15 @@ __device__ __forceinline__ uint4 normed8(const uint4 &x, const uint4 &w, float i
 // squares and the output, so the output needs no second round trip; wider rows take the scalar kernels.
 constexpr int kMaxPieces = 2;  // dim <= 1024 threads x 2 x 8 = 16384
 
+// Whether rows of `dim` fit the vector kernels: 16-byte pieces, at most kMaxPieces per thread of 1024.
+bool vec_dim(int64_t dim) { return dim % 8 == 0 && dim / 8 <= 1024 * kMaxPieces; }
+
 // The same with 16-byte accesses: dim % 8 == 0, rows 16-byte aligned; blockDim.x = a multiple of
 // 32 covering dim / 8 pieces in at most kMaxPieces per thread (most threads own one). Same statistics order
 // for every row count. w (a weight, constant) is loaded before the wait for the kernel before.
-__global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x,
-                                    const bf16 *w, float eps, bf16 *y, int64_t ld_y) {
+__global__ void __launch_bounds__(1024)
+rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x, const bf16 *w, float eps, bf16 *y,
+                    int64_t ld_y) {
     pdl_launch_dependents();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
@@ -92,8 +96,8 @@ __global__ void __launch_bounds__(1024) rms_norm_vec_kernel(const bf16 *x, int64
 // x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one
 // block per row, 16-byte pieces held in registers (at most kMaxPieces per thread), so y may alias res; w is
 // loaded before the wait.
-__global__ void __launch_bounds__(1024) add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps,
-                                    bf16 *y) {
+__global__ void __launch_bounds__(1024)
+add_rms_norm_kernel(bf16 *x, const bf16 *res, int64_t dim, const bf16 *w, float eps, bf16 *y) {
     pdl_launch_dependents();
     __shared__ float scratch[32];
     uint4 *xr = reinterpret_cast<uint4 *>(x + int64_t(blockIdx.x) * dim);
@@ -165,8 +169,7 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
               const bf16 *w, float eps, bf16 *y, int64_t ld_y, cudaStream_t s) {
     if (rows * groups == 0) return;
     if (rows * groups > INT32_MAX) fail(DFLASH_STATUS_INTERNAL, "rms_norm: too many rows");
-    if (dim % 8 == 0 && dim / 8 <= 1024 * kMaxPieces && ld_x % 8 == 0 && ld_y % 8 == 0 && aligned16(x) &&
-        aligned16(y) && aligned16(w)) {
+    if (vec_dim(dim) && ld_x % 8 == 0 && ld_y % 8 == 0 && aligned16(x) && aligned16(y) && aligned16(w)) {
         const int64_t pieces = dim / 8;
         const unsigned threads = unsigned(std::min<int64_t>(1024, (pieces + 31) / 32 * 32));
         launch(rms_norm_vec_kernel, unsigned(rows * groups), threads, 0, s, x, groups, dim, ld_x, w, eps,
@@ -180,8 +183,7 @@ void rms_norm(const bf16 *x, int64_t rows, int64_t groups, int64_t dim, int64_t 
 void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf16 *w, float eps,
                   bf16 *y, cudaStream_t s) {
     if (rows == 0) return;
-    if (dim % 8 == 0 && dim / 8 <= 1024 * kMaxPieces && aligned16(x) && aligned16(res) && aligned16(y) &&
-        aligned16(w)) {
+    if (vec_dim(dim) && aligned16(x) && aligned16(res) && aligned16(y) && aligned16(w)) {
         const unsigned threads = unsigned(std::min<int64_t>(1024, (dim / 8 + 31) / 32 * 32));
         launch(add_rms_norm_kernel, unsigned(rows), threads, 0, s, x, res, dim, w, eps, y);
     } else {  // the same roundings in two launches
