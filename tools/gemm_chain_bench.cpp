@@ -8,14 +8,17 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
-//                              [--sweep]
+//                              [--sweep] [--noncausal] [--probe]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
 // capacity N + 64, the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
 // step; --sweep (with --ctx) times the chain without the phase, with only its rope kernel, with only attention
 // and the combine, and whole, in one process (what each kernel adds per layer). The library's switches apply
-// (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting).
+// (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
+// drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
+// after the timing, one more step; the last layer's rope, attention and combine blocks' %globaltimer stamps,
+// printed as min / median / max over blocks in us after the q/k/v GEMM ended (the rope kernel's wait returned).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +35,13 @@
 #include "common.hpp"
 
 using namespace dflash;
+
+#ifdef DFLASH_PHASE_PROBE
+namespace dflash::cuda {  // rope.cu, attention.cu (probe builds only)
+void probe_table_rope(std::vector<unsigned long long> *out);
+void probe_table_attention(int which, std::vector<unsigned long long> *out);
+}  // namespace dflash::cuda
+#endif
 
 namespace {
 
@@ -58,11 +68,58 @@ struct Matrix {
     WeightView view;
 };
 
+#ifdef DFLASH_PHASE_PROBE
+// One more step with the probe tables zeroed; each table keeps its last launch's blocks (the last layer's).
+void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> &step) {
+    using Table = std::vector<unsigned long long>;
+    cuda::probe_table_rope(nullptr);
+    cuda::probe_table_attention(0, nullptr);
+    cuda::probe_table_attention(1, nullptr);
+    b->synchronize();
+    step();
+    b->synchronize();
+    Table rope, attn, comb;
+    cuda::probe_table_rope(&rope);
+    cuda::probe_table_attention(0, &attn);
+    cuda::probe_table_attention(1, &comb);
+    constexpr int kStamps = 6;
+    auto column = [&](const Table &t, int point) {
+        std::vector<unsigned long long> v;
+        for (size_t i = point; i < t.size(); i += kStamps)
+            if (t[i]) v.push_back(t[i]);
+        std::sort(v.begin(), v.end());
+        return v;
+    };
+    const auto ref_col = column(rope, 1);
+    if (ref_col.empty()) {
+        std::printf("probe: the rope kernel stamped nothing\n");
+        return;
+    }
+    const double ref = double(ref_col.front());
+    struct Point { const char *kernel; const Table *t; int point; const char *what; };
+    const Point points[] = {
+        {"rope", &rope, 0, "entry (before its wait)"}, {"rope", &rope, 1, "wait returned (q/k/v done)"},
+        {"attention", &attn, 0, "entry"}, {"attention", &attn, 5, "returned: no keys"},
+        {"attention", &attn, 1, "wait returned"}, {"attention", &attn, 2, "chunk 0 and Q landed"},
+        {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
+        {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
+        {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"}};
+    std::printf("probe (us after the first rope block's wait returned; min / median / max over blocks, blocks)\n");
+    for (const Point &p : points) {
+        const auto v = column(*p.t, p.point);
+        if (v.empty()) continue;
+        auto us = [&](unsigned long long x) { return (double(x) - ref) * 1e-3; };
+        std::printf("  %-10s %-28s %8.2f %8.2f %8.2f  (%zu)\n", p.kernel, p.what, us(v.front()), us(v[v.size() / 2]),
+                    us(v.back()), v.size());
+    }
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char **argv) {
     int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
-    bool host = false, sweep = false;
+    bool host = false, sweep = false, causal = true, probe = false;
     std::string only;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -80,9 +137,11 @@ int main(int argc, char **argv) {
         else if (a == "--ctx") ctx = std::atoll(next());
         else if (a == "--host") host = true;
         else if (a == "--sweep") sweep = true;
+        else if (a == "--noncausal") causal = false;
+        else if (a == "--probe") probe = true;
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N] [--sweep]\n");
+                                 "[--ctx N] [--sweep] [--noncausal] [--probe]\n");
             return 2;
         }
     }
@@ -220,7 +279,7 @@ int main(int argc, char **argv) {
                                step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
         keys.k_cache = k_cache[size_t(l)];
         keys.v_cache = v_cache[size_t(l)];
-        if (do_attn) b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
+        if (do_attn) b->attention(qkv, QKV, rows, step_args, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{causal, 0}, keys,
                      attn);
     };
     // As the target runs them: the sums of squares only where the norming op reads them (reads_norm_stats; an op
@@ -304,6 +363,13 @@ int main(int argc, char **argv) {
     } catch (const Error &e) {
         std::printf("FAIL: %s\n", e.what());
         return 1;
+    }
+    if (probe && ctx > 0 && !host) {
+#ifdef DFLASH_PHASE_PROBE
+        print_probe(b, step);
+#else
+        std::printf("--probe: this build has no probe (cmake -DDFLASH_PHASE_PROBE=ON)\n");
+#endif
     }
     const int64_t launches = layers * (all ? 4 : 1);
     const double floor_ms = double(step_bytes) / copy_bw * 1e3;

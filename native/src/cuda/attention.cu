@@ -11,12 +11,19 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "ops.cuh"
 
 namespace dflash {
 namespace cuda {
 namespace {
+
+#ifdef DFLASH_PHASE_PROBE
+DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
+                                        // 5 returned without keys
+DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
+#endif
 
 constexpr int kWarps = 4;
 constexpr int kKeysPerChunk = 32;
@@ -473,8 +480,12 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     constexpr int S = 2;
     // keys.fresh_keys >= 0: the first chunk's settled keys are staged before the wait (below).
     const bool early = keys.fresh_keys >= 0;
+    DFLASH_PROBE(g_probe_attention, 0);
     pdl_launch_dependents();
-    if (!early) pdl_wait();
+    if (!early) {
+        pdl_wait();
+        DFLASH_PROBE(g_probe_attention, 1);
+    }
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;                // k16 steps of Q K^T
     constexpr int kDims = HD / kT8Warps;           // head dims per warp in O: 16 or 8
@@ -503,7 +514,10 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 
     // This block's chunks: split, split + gridDim.y, ... (see grid_splits()).
     const int64_t key_end = key_count(keys);
-    if (int64_t(split) * kTcKeys >= key_end) return;  // no keys: nothing written, the combine stops before it
+    if (int64_t(split) * kTcKeys >= key_end) {  // no keys: nothing written, the combine stops before it
+        DFLASH_PROBE(g_probe_attention, 5);
+        return;
+    }
 
     constexpr int kPieces = HD / 8;
     // Keys below `settled` were written before this chain began (keys.fresh_keys), the rest by its kernels.
@@ -520,6 +534,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     cs.stage_kv(k_stage(0), v_stage(0), 0, early ? 1 : 0, settled);
     if (early) {
         pdl_wait();  // the kernels before this one (the step's own keys, q) are done
+        DFLASH_PROBE(g_probe_attention, 1);
         if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
     }
     // The tile's Q rows of its m tiles into shared memory (zeros past the last vector), 16 bytes per cp.async, in
@@ -558,6 +573,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<0>();  // this thread's copies of chunk i have landed
         __syncthreads();     // everyone's (and Q); chunk i - 1 consumed, its stage, P and the row buffers free
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
         const int c = i + 1, st = c % S;
         cs.stage_keys(kpos_stage(st));
         cs.load_keys(c + 1);
@@ -678,6 +694,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         }
     }
 
+    DFLASH_PROBE(g_probe_attention, 3);
     // This warp's head dims of every vector; warp 0 the running max and sum.
 #pragma unroll
     for (int mt = 0; mt < kT8MTiles; ++mt) {
@@ -696,6 +713,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             if (warp == 0 && qd == 0) ml_part[idx] = Split{m[vi], l[vi]};
         }
     }
+    DFLASH_PROBE(g_probe_attention, 4);
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
@@ -710,10 +728,12 @@ constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
+    DFLASH_PROBE(g_probe_combine, 0);
     pdl_launch_dependents();
     const bool early = keys.fresh_keys >= 0;
     int64_t n_keys = early ? key_count(keys) : 0;
     pdl_wait();
+    DFLASH_PROBE(g_probe_combine, 1);
     if (!early) n_keys = key_count(keys);
     __shared__ float weight_s[kMaxSplits], l_s[kMaxSplits];
     __shared__ float scratch[32];
@@ -733,6 +753,7 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
         best = fmaxf(best, part.m);
     }
     best = block_max(best, scratch);  // its barriers also publish weight_s and l_s
+    DFLASH_PROBE(g_probe_combine, 2);
     for (int sp = threadIdx.x; sp < splits; sp += blockDim.x) {
         const float m = weight_s[sp];
         weight_s[sp] = m == -INFINITY ? 0.f : __expf(m - best);
@@ -747,6 +768,7 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
             acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
         out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
+    DFLASH_PROBE(g_probe_combine, 3);
 }
 
 struct Plan {
@@ -940,6 +962,22 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
         out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
+
+#ifdef DFLASH_PHASE_PROBE
+// gemm_chain_bench --probe: table 0 attention's, 1 the combine's; out nullptr zeroes it, else it is read into out.
+void probe_table_attention(int which, std::vector<unsigned long long> *out) {
+    void *sym = nullptr;
+    if (which == 0) DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_attention));
+    else DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_combine));
+    const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
+    if (!out) {
+        DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
+        return;
+    }
+    out->assign(size_t(kProbeBlocks) * kProbeStamps, 0);
+    DFLASH_CUDA_CHECK(cudaMemcpy(out->data(), sym, bytes, cudaMemcpyDeviceToHost));
+}
+#endif
 
 }  // namespace cuda
 }  // namespace dflash

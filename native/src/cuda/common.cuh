@@ -207,6 +207,29 @@ __device__ __forceinline__ void pdl_prologue() {
     pdl_wait();
 }
 
+// The phase probe (off unless the build defines DFLASH_PHASE_PROBE: cmake -DDFLASH_PHASE_PROBE=ON, for
+// tools/gemm_chain_bench --probe): a probed kernel's thread 0 stamps %globaltimer at fixed points of its block
+// into its translation unit's table (row: the block's linear index, column: the point), so a tool sees where
+// the attention phase's microseconds go, block by block. Each launch overwrites the rows of its blocks.
+constexpr int kProbeBlocks = 4096, kProbeStamps = 6;
+#ifdef DFLASH_PHASE_PROBE
+__device__ __forceinline__ unsigned long long probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define DFLASH_PROBE_TABLE(name) __device__ unsigned long long name[kProbeBlocks * kProbeStamps]
+#define DFLASH_PROBE(name, point)                                                                         \
+    do {                                                                                                  \
+        const unsigned probe_b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
+        if (threadIdx.x == 0 && probe_b_ < unsigned(kProbeBlocks)) name[probe_b_ * kProbeStamps + (point)] = probe_now(); \
+    } while (0)
+#else
+#define DFLASH_PROBE(name, point) \
+    do {                          \
+    } while (0)
+#endif
+
 // Loads of what an earlier kernel wrote (activations, caches) must be coherent ld.global, never
 // ld.global.nc (__ldg, or what the compiler makes of a const __restrict__ pointer): with
 // programmatic dependent launch the writer may still run while this kernel starts, and a

@@ -2,12 +2,17 @@
 // transformers; cos/sin use the accurate cosf/sinf (positions reach 1e5+, far beyond the
 // fast intrinsics' range reduction).
 #include <algorithm>
+#include <vector>
 
 #include "ops.cuh"
 
 namespace dflash {
 namespace cuda {
 namespace {
+
+#ifdef DFLASH_PHASE_PROBE
+DFLASH_PROBE_TABLE(g_probe_rope);  // qkv_norm_rope_write_kernel: 0 entry, 1 after the wait (the q/k/v GEMM done)
+#endif
 
 constexpr int kHeadsPerBlock = 4;
 
@@ -149,7 +154,9 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
     int64_t slot = 0;
     if (ok && h < heads + kv_heads) r = lane_rope(head_dim, w, float(positions[row]), inv_freq, attention_factor, lane);
     if (ok && h >= heads) slot = slots[row];  // the step's upload too
+    DFLASH_PROBE(g_probe_rope, 0);
     pdl_wait();
+    DFLASH_PROBE(g_probe_rope, 1);
     if (!ok) return;
     if (h < heads) {
         norm_rope_head(q + row * ldq + int64_t(h) * head_dim, head_dim, q_norm != nullptr, eps, r, nullptr, lane);
@@ -254,6 +261,21 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
     launch(rope_kernel, grid, block, 0, s, x, int(heads), int(head_dim), ld, positions, inv_freq,
            attention_factor);
 }
+
+#ifdef DFLASH_PHASE_PROBE
+// gemm_chain_bench --probe: out nullptr zeroes the table, else it is read into out.
+void probe_table_rope(std::vector<unsigned long long> *out) {
+    void *sym = nullptr;
+    DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_rope));
+    const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
+    if (!out) {
+        DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
+        return;
+    }
+    out->assign(size_t(kProbeBlocks) * kProbeStamps, 0);
+    DFLASH_CUDA_CHECK(cudaMemcpy(out->data(), sym, bytes, cudaMemcpyDeviceToHost));
+}
+#endif
 
 }  // namespace cuda
 }  // namespace dflash
