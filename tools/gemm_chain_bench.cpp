@@ -82,7 +82,7 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
     cuda::probe_table_rope(&rope);
     cuda::probe_table_attention(0, &attn);
     cuda::probe_table_attention(1, &comb);
-    constexpr int kStamps = 6;
+    constexpr int kStamps = 12;
     auto column = [&](const Table &t, int point) {
         std::vector<unsigned long long> v;
         for (size_t i = point; i < t.size(); i += kStamps)
@@ -101,6 +101,8 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"rope", &rope, 0, "entry (before its wait)"}, {"rope", &rope, 1, "wait returned (q/k/v done)"},
         {"attention", &attn, 0, "entry"}, {"attention", &attn, 5, "returned: no keys"},
         {"attention", &attn, 1, "wait returned"}, {"attention", &attn, 2, "chunk 0 and Q landed"},
+        {"attention", &attn, 6, "chunk 1 staging issued"}, {"attention", &attn, 7, "chunk 0: Q K^T issued"},
+        {"attention", &attn, 8, "chunk 0: maxima shared"}, {"attention", &attn, 9, "chunk 0: P shared"},
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
         {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
         {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"}};

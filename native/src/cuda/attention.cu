@@ -21,7 +21,8 @@ namespace {
 
 #ifdef DFLASH_PHASE_PROBE
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
-                                        // 5 returned without keys
+                                        // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
+                                        // 7 S = Q K^T issued, 8 maxima published, 9 P published
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
@@ -447,6 +448,14 @@ constexpr int kT8Warps = 8;
 constexpr int kT8KeysPerWarp = kTcKeys / kT8Warps;  // 8: one n8 tile of S
 constexpr int kT8MTiles = kTcVectors / 16;          // 4 m16 tiles of vectors
 constexpr int kT8PStride = kTcKeys + 8;             // bf16 per P row: 144 bytes, ldmatrix rows conflict-free
+// The phase probe's stamps would take the kernel past 128 registers (one block per SM): a probe build holds it
+// to two blocks per SM, as the kernel is without them.
+// (An explicit minimum of 1 block is not the same as none: ptxas then took 138 registers.)
+#ifdef DFLASH_PHASE_PROBE
+#define DFLASH_T8_BOUNDS __launch_bounds__(kT8Warps * 32, 2)
+#else
+#define DFLASH_T8_BOUNDS __launch_bounds__(kT8Warps * 32)
+#endif
 
 template <int HD>
 __host__ __device__ constexpr size_t t8_smem_bytes() {
@@ -473,7 +482,7 @@ struct GroupOf {
 };
 
 template <int HD>
-__global__ void __launch_bounds__(kT8Warps * 32)
+__global__ void DFLASH_T8_BOUNDS
 attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                      PagedKeys keys, float *out_part, Split *ml_part) {
@@ -580,6 +589,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         __syncthreads();  // slot_s written
         if (c < n_chunks) cs.stage_kv(k_stage(st), v_stage(st), c);
         cp_async_commit();
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 6);
         const int n_keys = cs.n_keys_of(i);
         const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
         const int32_t *kpos_st = kpos_stage(i % S);
@@ -603,6 +613,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                 mma_bf16_16816(sc[mt], a[0], a[1], a[2], a[3], b0, b1);
             }
         }
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 7);  // (the mma issued; their results are read below)
         // Mask and scale; each vector's maximum over this warp's 8 keys (c0, c1: row g, keys key0 + 2qd (+1);
         // c2, c3: row g + 8), to max_s.
 #pragma unroll
@@ -626,6 +637,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             }
         }
         __syncthreads();  // every warp's maxima
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 8);
         // The chunk's maximum per vector (over the warps, exact), the new running max and the correction; P
         // (bf16) and each vector's sum over this warp's keys, to p_s and sum_s.
         float corr[kT8MTiles * 2];
@@ -654,6 +666,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             }
         }
         __syncthreads();  // P and the sums
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 9);
 #pragma unroll
         for (int mt = 0; mt < kT8MTiles; ++mt) {
             if (mt >= m_tiles) break;

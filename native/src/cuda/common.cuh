@@ -211,7 +211,7 @@ __device__ __forceinline__ void pdl_prologue() {
 // tools/gemm_chain_bench --probe): a probed kernel's thread 0 stamps %globaltimer at fixed points of its block
 // into its translation unit's table (row: the block's linear index, column: the point), so a tool sees where
 // the attention phase's microseconds go, block by block. Each launch overwrites the rows of its blocks.
-constexpr int kProbeBlocks = 4096, kProbeStamps = 6;
+constexpr int kProbeBlocks = 4096, kProbeStamps = 12;
 #ifdef DFLASH_PHASE_PROBE
 __device__ __forceinline__ unsigned long long probe_now() {
     unsigned long long t;
