@@ -982,13 +982,7 @@ void probe_table_attention(int which, std::vector<unsigned long long> *out) {
     void *sym = nullptr;
     if (which == 0) DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_attention));
     else DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_combine));
-    const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
-    if (!out) {
-        DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
-        return;
-    }
-    out->assign(size_t(kProbeBlocks) * kProbeStamps, 0);
-    DFLASH_CUDA_CHECK(cudaMemcpy(out->data(), sym, bytes, cudaMemcpyDeviceToHost));
+    probe_table_io(sym, out);
 }
 #endif
 

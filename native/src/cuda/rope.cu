@@ -267,13 +267,7 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 void probe_table_rope(std::vector<unsigned long long> *out) {
     void *sym = nullptr;
     DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_rope));
-    const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
-    if (!out) {
-        DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
-        return;
-    }
-    out->assign(size_t(kProbeBlocks) * kProbeStamps, 0);
-    DFLASH_CUDA_CHECK(cudaMemcpy(out->data(), sym, bytes, cudaMemcpyDeviceToHost));
+    probe_table_io(sym, out);
 }
 #endif
 
