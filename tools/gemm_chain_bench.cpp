@@ -38,8 +38,8 @@ using namespace dflash;
 
 #ifdef DFLASH_PHASE_PROBE
 namespace dflash::cuda {  // rope.cu, attention.cu (probe builds only)
-void probe_table_rope(std::vector<unsigned long long> *out);
-void probe_table_attention(int which, std::vector<unsigned long long> *out);
+int probe_table_rope(std::vector<unsigned long long> *out);  // the stamps per table row
+int probe_table_attention(int which, std::vector<unsigned long long> *out);
 }  // namespace dflash::cuda
 #endif
 
@@ -79,13 +79,12 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
     step();
     b->synchronize();
     Table rope, attn, comb;
-    cuda::probe_table_rope(&rope);
+    const size_t stamps = size_t(cuda::probe_table_rope(&rope));  // the tables share one layout
     cuda::probe_table_attention(0, &attn);
     cuda::probe_table_attention(1, &comb);
-    constexpr int kStamps = 12;
     auto column = [&](const Table &t, int point) {
         std::vector<unsigned long long> v;
-        for (size_t i = point; i < t.size(); i += kStamps)
+        for (size_t i = point; i < t.size(); i += stamps)
             if (t[i]) v.push_back(t[i]);
         std::sort(v.begin(), v.end());
         return v;
@@ -366,7 +365,9 @@ int main(int argc, char **argv) {
         std::printf("FAIL: %s\n", e.what());
         return 1;
     }
-    if (probe && ctx > 0 && !host) {
+    if (probe && (ctx == 0 || host)) {
+        std::printf("--probe: needs --ctx N and the cuda backend (it stamps the attention phase's kernels)\n");
+    } else if (probe) {
 #ifdef DFLASH_PHASE_PROBE
         print_probe(b, step);
 #else

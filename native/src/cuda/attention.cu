@@ -978,11 +978,12 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
 
 #ifdef DFLASH_PHASE_PROBE
 // gemm_chain_bench --probe: table 0 attention's, 1 the combine's; out nullptr zeroes it, else it is read into out.
-void probe_table_attention(int which, std::vector<unsigned long long> *out) {
+// Returns the stamps per row.
+int probe_table_attention(int which, std::vector<unsigned long long> *out) {
     void *sym = nullptr;
     if (which == 0) DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_attention));
     else DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_combine));
-    probe_table_io(sym, out);
+    return probe_table_io(sym, out);
 }
 #endif
 

@@ -225,15 +225,17 @@ __device__ __forceinline__ unsigned long long probe_now() {
         const unsigned probe_b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
         if (threadIdx.x == 0 && probe_b_ < unsigned(kProbeBlocks)) name[probe_b_ * kProbeStamps + (point)] = probe_now(); \
     } while (0)
-// A table's host side (its symbol's address `sym`): out nullptr zeroes it, else it is read into out.
-inline void probe_table_io(void *sym, std::vector<unsigned long long> *out) {
+// A table's host side (its symbol's address `sym`): out nullptr zeroes it, else it is read into out. Returns
+// the stamps per row (kProbeStamps), so a reader never repeats the table's layout.
+inline int probe_table_io(void *sym, std::vector<unsigned long long> *out) {
     const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
     if (!out) {
         DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
-        return;
+        return kProbeStamps;
     }
     out->assign(size_t(kProbeBlocks) * kProbeStamps, 0);
     DFLASH_CUDA_CHECK(cudaMemcpy(out->data(), sym, bytes, cudaMemcpyDeviceToHost));
+    return kProbeStamps;
 }
 #else
 #define DFLASH_PROBE(name, point) \
