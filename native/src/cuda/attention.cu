@@ -729,6 +729,263 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     DFLASH_PROBE(g_probe_attention, 4);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Key-quarter tensor-core path (head_dim 64 or 128; the default, DFLASH_ATTN_WARPS=16): the same blocks, chunks and splits
+// as the other tensor-core kernels, but 4 warps per m16 tile of vectors (MT tiles: 4 * MT warps), warp (mt, kq)
+// owning keys 16 kq .. 16 kq + 15 of every chunk for its 16 vectors with a running max, sum and O of its own. Its
+// chunk is then one warp's work with no barrier inside: S = Q K^T (2 n8 tiles, K by ldmatrix), the mask, the
+// maxima and sums across the quad (shuffles), P kept in registers as the A fragment of O += P V (16 keys: one
+// k16 step; V by ldmatrix.trans). The eight-warp kernel shares each chunk across its warps instead: three
+// barriers per chunk, the maxima and sums through shared memory, P through shared memory, about 1000 dependent
+// instructions per warp (7.4 us a chunk on the H100, session 30's probe); here about 250. After the last chunk
+// the four quarters of each vector are merged in quarter order through shared memory (their maxima, weights
+// exp(m_q - max), O and l weighted and summed), so the split's partials are as the other kernels write them. A
+// vector's sums never depend on which vectors share its tile (nor on MT): verify rows equal decode rows bit for
+// bit.
+constexpr int kTqQuarters = 4;                      // warps per m tile: 16 keys of each chunk each
+constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
+
+template <int HD>
+__host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
+template <int HD, int MT>
+__host__ __device__ constexpr size_t tq_loop_bytes() {
+    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
+}
+template <int HD, int MT>
+__host__ __device__ constexpr size_t tq_merge_bytes() {
+    return size_t(kTqQuarters) * 16 * MT * tq_ostride<HD>() * sizeof(float) +
+           size_t(kTqQuarters) * 16 * MT * sizeof(float2);
+}
+// The merge's buffers alias the stages (after a barrier): the larger of the two.
+template <int HD, int MT>
+__host__ __device__ constexpr size_t tq_smem_bytes() {
+    return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
+}
+
+template <int HD, int MT>
+__global__ void __launch_bounds__(kTqQuarters * MT * 32)
+attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
+                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                     PagedKeys keys, float *out_part, Split *ml_part) {
+    constexpr int S = 2;
+    constexpr int kThreads = kTqQuarters * MT * 32;
+    const bool early = keys.fresh_keys >= 0;  // as attention_tc8_kernel: chunk 0's settled keys before the wait
+    DFLASH_PROBE(g_probe_attention, 0);
+    pdl_launch_dependents();
+    if (!early) {
+        pdl_wait();
+        DFLASH_PROBE(g_probe_attention, 1);
+    }
+    constexpr int kStride = HD + kTcPad;
+    constexpr int kSteps = HD / 16;      // k16 steps of Q K^T
+    constexpr int kDimTiles = HD / 8;    // n8 tiles of O
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
+    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
+    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
+    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());
+    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
+
+    const int group = n_heads / n_kv_heads;
+    const GroupOf gof(group);
+    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mt = warp / kTqQuarters, kq = warp % kTqQuarters;
+    const int g = lane >> 2, qd = lane & 3;
+    const int n_vec = nq * group;
+    const int vec_base = blockIdx.z * kTcVectors;
+    const int tile_vecs = min(16 * MT, n_vec - vec_base);
+    const int m_tiles = (tile_vecs + 15) / 16;
+    const bool busy = mt < m_tiles;  // warp-uniform: this warp's m tile holds vectors
+
+    const int64_t key_end = key_count(keys);
+    if (int64_t(split) * kTcKeys >= key_end) {
+        DFLASH_PROBE(g_probe_attention, 5);
+        return;
+    }
+    constexpr int kPieces = HD / 8;
+    const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
+    const int64_t settled = early ? key_end - fresh : key_end;
+    ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    const int n_chunks = cs.n_chunks;
+    cs.load_keys(0);
+    cs.stage_keys(kpos_stage(0));
+    cs.load_keys(1);
+    __syncthreads();  // slot_s written
+    cs.stage_kv(k_stage(0), v_stage(0), 0, early ? 1 : 0, settled);
+    if (early) {
+        pdl_wait();
+        DFLASH_PROBE(g_probe_attention, 1);
+        if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
+    }
+    for (int i = threadIdx.x; i < m_tiles * 16 * kPieces; i += kThreads) {
+        const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
+        const bool ok = vl < tile_vecs;
+        cp_async16(q_s + vl * kStride + piece * 8,
+                   ok ? q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * group + gof.sub(v)) * HD + piece * 8 : q, ok);
+    }
+    cp_async_commit();
+    // Rows g and g + 8 of this warp's m tile.
+    int32_t qpos[2];
+    bool vec_ok[2];
+    float m[2], l[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int vl = mt * 16 + g + 8 * h;
+        vec_ok[h] = vl < tile_vecs;
+        qpos[h] = vec_ok[h] ? q_positions[gof.row(vec_base + vl)] : 0;
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    float o[kDimTiles][4];
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[t][e] = 0.f;
+
+    const int kb = kq * kTqKeys;  // this warp's first key in a chunk
+    for (int i = 0; i < n_chunks; ++i) {
+        cp_async_wait<0>();
+        __syncthreads();  // chunk i (and Q) landed for everyone; chunk i - 1 consumed, its stage free
+        if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
+        const int c = i + 1, st = c % S;
+        if (c < n_chunks) {  // block-uniform
+            cs.stage_keys(kpos_stage(st));
+            cs.load_keys(c + 1);
+            __syncthreads();  // slot_s written
+            cs.stage_kv(k_stage(st), v_stage(st), c);
+        }
+        cp_async_commit();
+        if (!busy) continue;
+        const int n_keys = cs.n_keys_of(i);
+        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
+        const int32_t *kpos_st = kpos_stage(i % S) + kb;
+
+        // S = Q K^T: this warp's 16 keys (n8 tiles 0, 1) for its 16 vectors; K fragments by ldmatrix (matrices:
+        // keys 0-7 dims +0, keys 0-7 dims +8, keys 8-15 dims +0, keys 8-15 dims +8).
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const bf16 *krow = kst + (kb + (lane >> 4) * 8 + (lane & 7)) * kStride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < kSteps; ++kk) {
+            uint32_t a[4], b[4];
+            ldsm_a(q_s + mt * 16 * kStride + kk * 16, kStride, lane, a);
+            ldmatrix_x4(unsigned(__cvta_generic_to_shared(krow + kk * 16)), b[0], b[1], b[2], b[3]);
+            mma_bf16_16816(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16_16816(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
+        }
+        // Mask and scale (sc[nt][2h + e]: row g + 8h, key kb + 8nt + 2qd + e); the maxima over the 16 keys.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = nt * 8 + 2 * qd + e;
+                const bool in = kb + j < n_keys;
+                const int32_t kp = kpos_st[j];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float &s = sc[nt][2 * h + e];
+                    s = in && vec_ok[h] && visible(qpos[h], kp, causal, window) ? s * scale : -INFINITY;
+                    mx[h] = fmaxf(mx[h], s);
+                }
+            }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float new_m = fmaxf(m[h], mx[h]);
+            corr[h] = new_m == -INFINITY || m[h] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
+                                                              : __expf(m[h] - new_m);
+            m[h] = new_m;
+            float ps = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float &s = sc[nt][2 * h + e];
+                    s = s == -INFINITY ? 0.f : __expf(s - new_m);
+                    ps += s;
+                }
+            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+            l[h] = l[h] * corr[h] + ps;
+        }
+        // O *= corr: O is zero before the first chunk, and a factor of exactly 1 changes nothing (skipped alike
+        // for every vector, so the sums stay the same whatever shares the tile).
+        if (i > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+            for (int t = 0; t < kDimTiles; ++t) {
+                o[t][0] *= corr[0];
+                o[t][1] *= corr[0];
+                o[t][2] *= corr[1];
+                o[t][3] *= corr[1];
+            }
+        }
+        // O += P V: P (bf16) as the A fragment straight from S's accumulators; V pairs of dim tiles by
+        // ldmatrix.trans (matrices: keys 0-7 / 8-15 of dims +0, then of dims +8).
+        const uint32_t a0 = pack_bf16(sc[0][0], sc[0][1]), a1 = pack_bf16(sc[0][2], sc[0][3]);
+        const uint32_t a2 = pack_bf16(sc[1][0], sc[1][1]), a3 = pack_bf16(sc[1][2], sc[1][3]);
+        const bf16 *vrow = vst + (kb + (lane & 15)) * kStride + (lane >> 4) * 8;
+#pragma unroll
+        for (int tp = 0; tp < kDimTiles / 2; ++tp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(unsigned(__cvta_generic_to_shared(vrow + tp * 16)), b[0], b[1], b[2], b[3]);
+            mma_bf16_16816(o[2 * tp], a0, a1, a2, a3, b[0], b[1]);
+            mma_bf16_16816(o[2 * tp + 1], a0, a1, a2, a3, b[2], b[3]);
+        }
+    }
+    DFLASH_PROBE(g_probe_attention, 3);
+
+    // Merge the quarters: each warp's O and (m, l) to shared memory (over the stages, once every warp is done
+    // with them), then every thread weights and sums 4 dims of one vector over the quarters in order.
+    constexpr int kOS = tq_ostride<HD>();
+    float *o_s = reinterpret_cast<float *>(tc_smem);                            // [quarter][16 MT][kOS]
+    float2 *ml_s = reinterpret_cast<float2 *>(o_s + kTqQuarters * 16 * MT * kOS);  // [16 MT][quarter]
+    cp_async_wait<0>();
+    __syncthreads();
+    if (busy) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int vl = mt * 16 + g + 8 * h;
+            float *orow = o_s + (kq * 16 * MT + vl) * kOS + 2 * qd;
+#pragma unroll
+            for (int t = 0; t < kDimTiles; ++t)
+                *reinterpret_cast<float2 *>(orow + t * 8) = make_float2(o[t][2 * h], o[t][2 * h + 1]);
+            if (qd == 0) ml_s[vl * kTqQuarters + kq] = make_float2(m[h], l[h]);
+        }
+    }
+    __syncthreads();
+    constexpr int kQuads = HD / 4;
+    for (int e = threadIdx.x; e < tile_vecs * kQuads; e += kThreads) {
+        const int vl = e / kQuads, d = (e % kQuads) * 4;
+        float2 ml[kTqQuarters];
+        float best = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kTqQuarters; ++k) {
+            ml[k] = ml_s[vl * kTqQuarters + k];
+            best = fmaxf(best, ml[k].x);
+        }
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float lsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < kTqQuarters; ++k) {
+            const float w = ml[k].x == -INFINITY ? 0.f : __expf(ml[k].x - best);
+            const float4 x = *reinterpret_cast<const float4 *>(o_s + (k * 16 * MT + vl) * kOS + d);
+            acc.x = fmaf(x.x, w, acc.x);
+            acc.y = fmaf(x.y, w, acc.y);
+            acc.z = fmaf(x.z, w, acc.z);
+            acc.w = fmaf(x.w, w, acc.w);
+            lsum = fmaf(ml[k].y, w, lsum);
+        }
+        const int v = vec_base + vl;
+        const int64_t idx = (int64_t(split) * nq + gof.row(v)) * n_heads + kv_head * group + gof.sub(v);
+        *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
+        if (d == 0) ml_part[idx] = Split{best, lsum};
+    }
+    DFLASH_PROBE(g_probe_attention, 4);
+}
+
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 
 // One block per (row, head): merges the splits that hold keys (in split order; a split whose first
@@ -807,16 +1064,49 @@ struct Plan {
 // whose first chunk lies past the last key returns at once and the combine reads only the splits
 // up to the last key, so one recorded graph serves every length.
 //
-// DFLASH_ATTN_FILL=N (read once) aims at N blocks instead of 264: a test forces few splits, so each
-// split reads many chunks at short contexts.
+// Which tensor-core kernel (head_dim 64 or 128): DFLASH_ATTN_WARPS=16 (or unset) the key-quarter one
+// (attention_tcq_kernel: up to 16 warps, 4 per m16 tile of vectors; session 31: verify 1.9%, proposes 0-2.4%
+// faster than the eight-warp one on the H100), 8 the eight-warp one (attention_tc8_kernel), 4 the four-warp one.
+// Read once; every call of a process takes the same one (their sums differ in order).
+enum class TcKernel { kFour, kEight, kQuarter };
+TcKernel tc_kernel() {
+    static const TcKernel k = [] {
+        const char *v = std::getenv("DFLASH_ATTN_WARPS");
+        if (!v || !*v || std::string(v) == "16") return TcKernel::kQuarter;
+        if (std::string(v) == "8") return TcKernel::kEight;
+        if (std::string(v) == "4") return TcKernel::kFour;
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_WARPS=", v, " (4, 8 or 16)");
+    }();
+    return k;
+}
+
+// DFLASH_ATTN_FILL=N (read once) aims at N blocks instead of 264 (or one wave, below): a test forces few splits,
+// so each split reads many chunks at short contexts. 0: unset.
 int64_t fill_blocks() {
-    static const EnvInt setting = env_int("DFLASH_ATTN_FILL", 264, 1, 1 << 20);
+    static const EnvInt setting = env_int("DFLASH_ATTN_FILL", 0, 1, 1 << 20);
     return env_value(setting, "DFLASH_ATTN_FILL", "is not a block count (1 to 1048576)");
 }
 
-int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles) {
+// The SM count of the device current at the first call (a process's calls all split alike).
+int64_t sm_count() {
+    static const int64_t n = [] {
+        int device = 0, v = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+        return int64_t(std::max(v, 1));
+    }();
+    return n;
+}
+
+// one_wave (the key-quarter kernel, whose 4-tile blocks take a whole SM): at most one block per SM, rounded
+// down to whole splits (a 1040-key verify on 132 SMs: 16 splits of 8 kv heads, not 17 with 4 blocks in a second
+// wave), else about 264 blocks.
+int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles, bool one_wave) {
     const int64_t blocks_per_split = std::max<int64_t>(1, n_kv_heads * q_tiles);
-    const int64_t want = std::max<int64_t>(1, (fill_blocks() + blocks_per_split - 1) / blocks_per_split);
+    const int64_t fill = fill_blocks();
+    const int64_t want = fill > 0       ? (fill + blocks_per_split - 1) / blocks_per_split
+                         : one_wave     ? std::max<int64_t>(1, sm_count() / blocks_per_split)
+                                        : (264 + blocks_per_split - 1) / blocks_per_split;
     const int64_t chunks = std::max<int64_t>(1, (capacity + chunk_keys - 1) / chunk_keys);
     return int(std::min({want, chunks, int64_t(kMaxSplits)}));
 }
@@ -843,7 +1133,8 @@ Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
         return tc ? (rows * group + kTcVectors - 1) / kTcVectors : (rows + p.rows_per_tile - 1) / p.rows_per_tile;
     };
     p.q_tiles = int(tiles(nq));
-    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)));
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)),
+                           tc && tc_kernel() == TcKernel::kQuarter);
     return p;
 }
 
@@ -870,15 +1161,26 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// The eight-warp tensor-core kernel (attention_tc8_kernel) unless DFLASH_ATTN_WARPS=4 (the four-warp one). Read once.
-bool tc8_enabled() {
-    static const bool on = [] {
-        const char *v = std::getenv("DFLASH_ATTN_WARPS");
-        if (!v || !*v || std::string(v) == "8") return true;
-        if (std::string(v) == "4") return false;
-        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_WARPS=", v, " (4 or 8)");
+// The key-quarter kernel's shared-memory opt-ins, once per process (for the device current then). Returns whether
+// its largest instantiation fits (else the four-warp kernel runs, for every call alike).
+bool allow_tcq_smem() {
+    static const bool fits = [] {
+        int device = 0, optin = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        if (tq_smem_bytes<128, 4>() > size_t(optin)) return false;
+        auto allow = [](auto kernel, size_t bytes) {
+            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+        };
+        allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
+        allow(attention_tcq_kernel<128, 2>, tq_smem_bytes<128, 2>());
+        allow(attention_tcq_kernel<128, 4>, tq_smem_bytes<128, 4>());
+        allow(attention_tcq_kernel<64, 1>, tq_smem_bytes<64, 1>());
+        allow(attention_tcq_kernel<64, 2>, tq_smem_bytes<64, 2>());
+        allow(attention_tcq_kernel<64, 4>, tq_smem_bytes<64, 4>());
+        return true;
     }();
-    return on;
+    return fits;
 }
 
 // Its shared-memory opt-in, once per process (for the device current then). Returns whether it fits (99 KB,
@@ -941,7 +1243,22 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                mask.causal, mask.window, keys, out_part, ml_part);
     };
-    if (tc && tc8_enabled() && allow_tc8_smem()) {
+    if (tc && tc_kernel() == TcKernel::kQuarter && allow_tcq_smem()) {
+        // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
+        const int64_t n_vec = nq * (n_heads / n_kv_heads);
+        const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
+        auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
+            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
+            else go(k4, 4 * kTqQuarters * 32, b4);
+        };
+        if (head_dim == 128)
+            pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
+                 tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(), tq_smem_bytes<128, 4>());
+        else
+            pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
+                 tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
+    } else if (tc && tc_kernel() != TcKernel::kFour && allow_tc8_smem()) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
         else
