@@ -185,6 +185,15 @@ def test_cuda_speculative_equals_cuda_autoregressive_few_splits():
     _lossless_in_a_process({"DFLASH_ATTN_FILL": "4"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_eight_warp_attention():
+    """The long-prompt lossless cases again in a process that takes the eight-warp attention kernel
+    (DFLASH_ATTN_WARPS=8; the key-quarter one is the default since session 31) and its 264-block splits: each
+    kernel must sum a verified row as it sums the row decoded alone."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers the default kernel in the other tests")
+    _lossless_in_a_process({"DFLASH_ATTN_WARPS": "8"})
+
+
 def _python_in_a_process(env_overrides, args):
     """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess
