@@ -276,7 +276,6 @@ int main(int argc, char **argv) {
     const WeightView norm_w{qk_norm, DFLASH_DTYPE_BF16, 1, hd, false};
     bool do_rope = true, do_attn = true;  // --sweep: the attention phase's kernels one by one
     auto attention_phase = [&](int64_t l) {
-        if (do_rope) b->prefetch_hint(w[size_t(l)][1].view);  // o_proj, as the target's layers hint it
         if (do_rope) b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
                                step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
         keys.k_cache = k_cache[size_t(l)];

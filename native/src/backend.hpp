@@ -241,10 +241,6 @@ public:
         if (w) rms_norm(x, rows, heads, head_dim, ld, *w, eps, x, ld);
         rope(x, rows, heads, head_dim, ld, positions, inv_freq, attention_factor);
     }
-    // A hint: `w` is read right after the attention phase that follows (o_proj). A backend whose memory sits idle
-    // through that phase may stage w into a cache meanwhile (cuda: its next qkv_norm_rope_write kernel prefetches
-    // w into L2). Never changes a value; the default ignores it.
-    virtual void prefetch_hint(const WeightView &w) { (void)w; }
     // The attention inputs of `rows` tokens: q[rows] (row stride ldq) of heads x head_dim and
     // kv[rows] (row stride ldkv) of [k | v], kv_heads x head_dim each. head_norm_rope on the q
     // heads (q_norm) and the k heads (k_norm), then kv_write of k and v to slots[rows]. heads may

@@ -522,7 +522,6 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                 backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
                 backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
             }
-            backend_->prefetch_hint(layer.o_proj);  // read after the attention phase
             backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
                                           &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
                                           d_slots, k_cache_[l].get(), v_cache_[l].get());

@@ -281,7 +281,6 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
                            GemmFuse{folded_ ? eps : 0.f, false, l > 0 ? ss_qkv : nullptr, nullptr});
-            backend_->prefetch_hint(layer.o_proj);  // read after the attention phase
             backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
                                           qk_norm ? &layer.q_norm : nullptr,
                                           qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),

@@ -203,16 +203,6 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// Prefetch `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2: one bulk request
-// (sm_90's cp.async.bulk.prefetch; nothing below it). A hint: no value depends on it.
-constexpr int kPrefetchPiece = 4096;  // bytes per request where a kernel spreads a prefetch over its threads
-__device__ __forceinline__ void l2_prefetch_bulk(const void *p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#else
-    (void)p, (void)bytes;
-#endif
-}
 __device__ __forceinline__ void pdl_prologue() {
     pdl_launch_dependents();
     pdl_wait();

@@ -312,16 +312,9 @@ public:
         }
         const bf16 *wq = q_norm ? weight_data(*q_norm, "qkv_norm_rope_write") : nullptr;
         const bf16 *wk = k_norm ? weight_data(*k_norm, "qkv_norm_rope_write") : nullptr;
-        const WeightView pf = pending_prefetch_;
-        pending_prefetch_ = WeightView{};
         cuda::qkv_norm_rope_write(as_bf16(q), ldq, as_bf16(kv), ldkv, rows, heads, kv_heads, head_dim, wq, wk,
                                   eps, positions, inv_freq, attention_factor, slots, as_bf16(k_cache),
-                                  as_bf16(v_cache), stream_, pf.data, weight_bytes(pf));
-    }
-    // Recorded for the next qkv_norm_rope_write (the attention phase's first kernel), unless DFLASH_L2_PREFETCH=0.
-    void prefetch_hint(const WeightView &w) override {
-        static const bool on = env_switch_on("DFLASH_L2_PREFETCH");
-        if (on) pending_prefetch_ = w;
+                                  as_bf16(v_cache), stream_);
     }
     void kv_norm_rope_write_layers(void *kv, int64_t ldkv, int64_t layer_ld, int64_t layers, int64_t rows,
                                    int64_t kv_heads, int64_t head_dim, const WeightView *const *k_norms, float eps,
@@ -395,11 +388,6 @@ private:
     static constexpr size_t kPinnedBytes = 1 << 16;
     static constexpr size_t kStagingBytes = 1 << 16;  // upload's pinned staging
 
-    // A weight's bytes in memory (tiled: its padded tiles), 0 for none.
-    static int64_t weight_bytes(const WeightView &w) {
-        if (!w.data) return 0;
-        return (w.tiled ? tiled_elements(w.rows, w.cols) : w.rows * w.cols) * int64_t(dtype_size(w.dtype));
-    }
     // Grow-only scratch: first use (warm-up) allocates, steady state reuses. Graphs captured
     // before a reallocation point at the old buffer: the epoch tells their owners.
     void *grow(DeviceBuffer &buffer, size_t bytes) {
@@ -442,7 +430,6 @@ private:
     size_t staging_used_ = 0;
     DeviceBuffer argmax_scratch_, attention_scratch_;
     DeviceBuffer norm_scratch_, product_scratch_;  // unfused GemmFuse: the normed x, the product
-    WeightView pending_prefetch_;  // prefetch_hint's weight, for the next qkv_norm_rope_write (none: data null)
 };
 
 }  // namespace

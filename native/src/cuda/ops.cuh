@@ -40,8 +40,7 @@ bool qkv_norm_rope_write_fused(int64_t head_dim);
 void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps,
                          const int32_t *positions, const float *inv_freq, float attention_factor,
-                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s,
-                         const void *prefetch = nullptr, int64_t prefetch_bytes = 0);
+                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s);
 // Backend::kv_norm_rope_write_layers in one kernel per kMaxRopeLayers layers (qkv_norm_rope_write_fused)
 constexpr int kMaxRopeLayers = 16;
 struct RopeLayers {

@@ -142,13 +142,8 @@ __global__ void qkv_norm_rope_write_kernel(bf16 *q, int64_t ldq, bf16 *kv, int64
                                            float eps,
                                            const int32_t *positions, const float *inv_freq,
                                            float attention_factor, const int32_t *slots, bf16 *k_cache,
-                                           bf16 *v_cache, const char *prefetch, int64_t prefetch_pieces) {
+                                           bf16 *v_cache) {
     pdl_launch_dependents();
-    // The prefetch (Backend::prefetch_hint: the o_proj that follows attention): its 4 KB pieces spread over the
-    // grid's threads, each one bulk prefetch into L2 (constant weights: before the wait, nothing to order).
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < prefetch_pieces;
-         i += int64_t(gridDim.x) * blockDim.x)
-        l2_prefetch_bulk(prefetch + i * kPrefetchPiece, kPrefetchPiece);
     const int lane = threadIdx.x & 31, per_row = heads + 2 * kv_heads;
     const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
     const bool ok = item < rows * per_row;
@@ -231,16 +226,14 @@ bool qkv_norm_rope_write_fused(int64_t head_dim) { return head_dim % 2 == 0 && h
 void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, const bf16 *q_norm, const bf16 *k_norm, float eps,
                          const int32_t *positions, const float *inv_freq, float attention_factor,
-                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s,
-                         const void *prefetch, int64_t prefetch_bytes) {
+                         const int32_t *slots, bf16 *k_cache, bf16 *v_cache, cudaStream_t s) {
     const int64_t items = rows * (heads + 2 * kv_heads);
     if (items == 0) return;
     if (!qkv_norm_rope_write_fused(head_dim) || heads + 2 * kv_heads > INT32_MAX)
         fail(DFLASH_STATUS_INTERNAL, "qkv_norm_rope_write: head_dim ", head_dim, " is not fused");
     launch(qkv_norm_rope_write_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock),
            kWarpsPerBlock * 32, 0, s, q, ldq, kv, ldkv, rows, int(heads), int(kv_heads), int(head_dim), q_norm,
-           k_norm, eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache,
-           static_cast<const char *>(prefetch), prefetch ? prefetch_bytes / kPrefetchPiece : int64_t(0));
+           k_norm, eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
 }
 
 void kv_norm_rope_write_layers(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows, int64_t kv_heads,
