@@ -236,6 +236,21 @@ struct ChunkStager {
             kpos[j] = ok ? pend_pos : 0;
         }
     }
+    // The prologue of chunk 0 (slot_s and the stages' keys also written by this call's threads): its settled keys'
+    // K/V before the wait when early (their slots and positions, and the block table, are settled too), then
+    // griddepcontrol.wait, then the rest (keys the step's own kernels wrote).
+    __device__ void stage_first(bf16 *ks, bf16 *vs, int32_t *kpos, bool early, int64_t settled) {
+        load_keys(0);
+        stage_keys(kpos);
+        load_keys(1);
+        __syncthreads();  // slot_s written
+        stage_kv(ks, vs, 0, early ? 1 : 0, settled);
+        if (early) {
+            pdl_wait();  // the kernels before this one (the step's own keys, q) are done
+            DFLASH_PROBE(g_probe_attention, 1);
+            if (first0 + kTcKeys > settled) stage_kv(ks, vs, 0, 2, settled);
+        }
+    }
     // part 0: every key of chunk c; 1: only those below `settled`; 2: only the others.
     __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0) const {
         const int64_t first = first0 + c * stride;
@@ -481,6 +496,24 @@ struct GroupOf {
     __device__ int sub(int v) const { return pow2() ? v & (group - 1) : v % group; }
 };
 
+// A block's Q tile (m_tiles x 16 vectors from vec_base; zeros past tile_vecs) into q_s (rows of HD + kTcPad),
+// 16 bytes per cp.async, in the caller's group (after the wait: q is the rope kernel's): every piece in flight at
+// once. (Loaded into a register and stored, one piece after another, a verify's 64 vectors took a thread four L2
+// round trips.)
+template <int HD, int kThreads>
+__device__ __forceinline__ void stage_q_tile(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof, int kv_head,
+                                             int vec_base, int tile_vecs, int m_tiles) {
+    constexpr int kPieces = HD / 8, kStride = HD + kTcPad;
+    for (int i = threadIdx.x; i < m_tiles * 16 * kPieces; i += kThreads) {
+        const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
+        const bool ok = vl < tile_vecs;
+        cp_async16(q_s + vl * kStride + piece * 8,
+                   ok ? q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD + piece * 8
+                      : q,
+                   ok);
+    }
+}
+
 template <int HD>
 __global__ void DFLASH_T8_BOUNDS
 attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
@@ -528,33 +561,13 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         return;
     }
 
-    constexpr int kPieces = HD / 8;
     // Keys below `settled` were written before this chain began (keys.fresh_keys), the rest by its kernels.
     const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
     const int64_t settled = early ? key_end - fresh : key_end;
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    // Prologue: chunk 0 staged; its settled keys before the wait when early (their slots and positions, and the
-    // block table, are settled too), the rest after it.
-    cs.load_keys(0);
-    cs.stage_keys(kpos_stage(0));
-    cs.load_keys(1);
-    __syncthreads();  // slot_s written
-    cs.stage_kv(k_stage(0), v_stage(0), 0, early ? 1 : 0, settled);
-    if (early) {
-        pdl_wait();  // the kernels before this one (the step's own keys, q) are done
-        DFLASH_PROBE(g_probe_attention, 1);
-        if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
-    }
-    // The tile's Q rows of its m tiles into shared memory (zeros past the last vector), 16 bytes per cp.async, in
-    // chunk 0's group (after the wait: q is the rope kernel's): every piece in flight at once. (Loaded into a
-    // register and stored, one piece after another, a verify's 64 vectors took a thread four L2 round trips.)
-    for (int i = threadIdx.x; i < m_tiles * 16 * kPieces; i += kThreads) {
-        const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
-        const bool ok = vl < tile_vecs;
-        cp_async16(q_s + vl * kStride + piece * 8,
-                   ok ? q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * group + gof.sub(v)) * HD + piece * 8 : q, ok);
-    }
+    cs.stage_first(k_stage(0), v_stage(0), kpos_stage(0), early, settled);
+    stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);  // in chunk 0's group
     cp_async_commit();
     // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h). (Their positions read before
     // the wait, or their rows by GroupOf here, the kernel spilled at the 128 registers two blocks per SM allow.)
@@ -803,27 +816,12 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         DFLASH_PROBE(g_probe_attention, 5);
         return;
     }
-    constexpr int kPieces = HD / 8;
     const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
     const int64_t settled = early ? key_end - fresh : key_end;
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    cs.load_keys(0);
-    cs.stage_keys(kpos_stage(0));
-    cs.load_keys(1);
-    __syncthreads();  // slot_s written
-    cs.stage_kv(k_stage(0), v_stage(0), 0, early ? 1 : 0, settled);
-    if (early) {
-        pdl_wait();
-        DFLASH_PROBE(g_probe_attention, 1);
-        if (cs.first0 + kTcKeys > settled) cs.stage_kv(k_stage(0), v_stage(0), 0, 2, settled);
-    }
-    for (int i = threadIdx.x; i < m_tiles * 16 * kPieces; i += kThreads) {
-        const int vl = i / kPieces, piece = i % kPieces, v = vec_base + vl;
-        const bool ok = vl < tile_vecs;
-        cp_async16(q_s + vl * kStride + piece * 8,
-                   ok ? q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * group + gof.sub(v)) * HD + piece * 8 : q, ok);
-    }
+    cs.stage_first(k_stage(0), v_stage(0), kpos_stage(0), early, settled);
+    stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
     int32_t qpos[2];
@@ -1057,7 +1055,9 @@ struct Plan {
 // equal decode logits bit for bit (DESIGN §5) at any context length.
 //
 // splits x kv heads x query tiles fill the GPU about twice (264 blocks: 132 SMs) once the context
-// has that many chunks; a short context keeps its chunks in separate splits (a 1024-key context is
+// has that many chunks (the key-quarter kernel, whose 4-tile blocks take a whole SM: once, one wave; with 17
+// splits of a 1040-key verify, 4 of its 136 blocks ran in a second wave and the kernel was no faster than the
+// eight-warp one, with 16 it is 1.9% faster: session 31); a short context keeps its chunks in separate splits (a 1024-key context is
 // 16 chunks of 64 keys: 16 splits per kv head, whatever the capacity), a long one gives each split
 // several. The grid, the partials (splits x rows x heads) and the combine are bounded by that fill,
 // not by the ring: with the key count in device memory (keys.num_keys_device, graphs) a split
