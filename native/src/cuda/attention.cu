@@ -189,12 +189,56 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
+// The maximum / sum of x over the quad of lanes that hold one mma row (lanes 4g .. 4g + 3): every lane gets it.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+// The online softmax's running max m moved to cover a chunk's maximum cmax; returns the factor the sums so far
+// take (exp(m_old - m_new); 0 when nothing was visible before, 1 when nothing is visible yet).
+__device__ __forceinline__ float advance_max(float &m, float cmax) {
+    const float new_m = fmaxf(m, cmax);
+    const float corr = new_m == -INFINITY || m == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f) : __expf(m - new_m);
+    m = new_m;
+    return corr;
+}
+
+// O's accumulator tiles (c0, c1: row g; c2, c3: row g + 8) times each row's factor.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N][4], const float corr[2]) {
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+        o[t][0] *= corr[0];
+        o[t][1] *= corr[0];
+        o[t][2] *= corr[1];
+        o[t][3] *= corr[1];
+    }
+}
+
 // Dynamic shared memory of attention_tc_kernel<HD, S>: S stages of K and V chunks (kTcKeys rows of HD + kTcPad
 // bf16 each) and their key positions, then the slots of the chunk being staged.
 template <int HD>
 __host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKeys * (HD + kTcPad) * sizeof(bf16) + kTcKeys * sizeof(int32_t); }
 template <int HD, int S>
 __host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
+
+// The stages in a tensor-core kernel's dynamic shared memory (tc_stage_bytes each: K rows, V rows, key positions),
+// then the slots of the chunk being staged.
+template <int HD>
+struct TcStages {
+    static constexpr int kStride = HD + kTcPad;
+    unsigned char *base;
+    __device__ bf16 *k(int st) const { return reinterpret_cast<bf16 *>(base + st * tc_stage_bytes<HD>()); }
+    __device__ bf16 *v(int st) const { return k(st) + kTcKeys * kStride; }
+    __device__ int32_t *kpos(int st) const { return reinterpret_cast<int32_t *>(v(st) + kTcKeys * kStride); }
+    __device__ int64_t *slots(int stages) const {
+        return reinterpret_cast<int64_t *>(base + stages * tc_stage_bytes<HD>());
+    }
+};
 
 // A tensor-core block's key chunks (split s: chunks s, s + splits, ...; chunk c holds keys [first(c),
 // first(c) + n_keys(c)), first(c) = s * kTcKeys + c * stride), staged by kThreads threads: threads j < kTcKeys
@@ -239,7 +283,10 @@ struct ChunkStager {
     // The prologue of chunk 0 (slot_s and the stages' keys also written by this call's threads): its settled keys'
     // K/V before the wait when early (their slots and positions, and the block table, are settled too), then
     // griddepcontrol.wait, then the rest (keys the step's own kernels wrote).
-    __device__ void stage_first(bf16 *ks, bf16 *vs, int32_t *kpos, bool early, int64_t settled) {
+    __device__ void stage_first(bf16 *ks, bf16 *vs, int32_t *kpos, bool early) {
+        // Keys below `settled` were written before this chain began (keys.fresh_keys), the rest by its kernels.
+        const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
+        const int64_t settled = early ? key_end - fresh : key_end;
         load_keys(0);
         stage_keys(kpos);
         load_keys(1);
@@ -279,10 +326,8 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
     constexpr int kSteps = HD / 16;   // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8; // n8 tiles of O
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
-    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
-    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
-    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());  // the chunk being staged
+    const TcStages<HD> sm{tc_smem};
+    int64_t *slot_s = sm.slots(S);  // the chunk being staged
 
     const int group = n_heads / n_kv_heads;
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -334,25 +379,25 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
 #pragma unroll
     for (int c = 0; c < S - 1; ++c) {
         if (c > 0) __syncthreads();  // chunk c - 1's copies have read slot_s
-        cs.stage_keys(kpos_stage(c));
+        cs.stage_keys(sm.kpos(c));
         cs.load_keys(c + 1);
         __syncthreads();  // slot_s written
-        if (c < n_chunks) cs.stage_kv(k_stage(c), v_stage(c), c);
+        if (c < n_chunks) cs.stage_kv(sm.k(c), sm.v(c), c);
         cp_async_commit();
     }
     for (int i = 0; i < n_chunks; ++i) {
         cp_async_wait<S - 2>();  // this thread's copies of chunk i have landed
         __syncthreads();         // everyone's; and chunk i - 1 is consumed, its stage free; slot_s read
         const int c = i + S - 1, st = c % S;  // the chunk staged now, into chunk i - 1's stage
-        cs.stage_keys(kpos_stage(st));
+        cs.stage_keys(sm.kpos(st));
         cs.load_keys(c + 1);
         __syncthreads();  // slot_s written
-        if (c < n_chunks) cs.stage_kv(k_stage(st), v_stage(st), c);
+        if (c < n_chunks) cs.stage_kv(sm.k(st), sm.v(st), c);
         cp_async_commit();
         if (vec0 >= n_vec) continue;  // warp-uniform: this warp has no query vectors
         const int n_keys = cs.n_keys_of(i);
-        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
-        const int32_t *kpos_st = kpos_stage(i % S);
+        const bf16 *kst = sm.k(i % S), *vst = sm.v(i % S);
+        const int32_t *kpos_st = sm.kpos(i % S);
 
         // S = Q K^T: 8 key tiles of 8.
         float sc[kTcKeys / 8][4];
@@ -381,14 +426,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
             }
         float corr[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            cmax[h] = fmaxf(cmax[h], __shfl_xor_sync(0xffffffffu, cmax[h], 1));
-            cmax[h] = fmaxf(cmax[h], __shfl_xor_sync(0xffffffffu, cmax[h], 2));
-            const float new_m = fmaxf(m[h], cmax[h]);
-            corr[h] = new_m == -INFINITY || m[h] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
-                                                              : __expf(m[h] - new_m);
-            m[h] = new_m;
-        }
+        for (int h = 0; h < 2; ++h) corr[h] = advance_max(m[h], quad_max(cmax[h]));
         float psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < kTcKeys / 8; ++nt)
@@ -401,13 +439,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
             }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + psum[h];
-#pragma unroll
-        for (int t = 0; t < kDimTiles; ++t) {
-            o[t][0] *= corr[0];
-            o[t][1] *= corr[0];
-            o[t][2] *= corr[1];
-            o[t][3] *= corr[1];
-        }
+        scale_rows(o, corr);
         // O += P V: k16 steps over keys; V fragments by ldmatrix.trans from the staged rows.
 #pragma unroll
         for (int ks = 0; ks < kTcKeys / 16; ++ks) {
@@ -431,8 +463,7 @@ attention_tc_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positio
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        l[h] = quad_sum(l[h]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -496,6 +527,20 @@ struct GroupOf {
     __device__ int sub(int v) const { return pow2() ? v & (group - 1) : v % group; }
 };
 
+// The eight-warp and key-quarter kernels' entry: lets the next kernel launch, then waits at once unless the keys
+// have a settled part (keys.fresh_keys >= 0: chunk 0's settled keys are staged before the wait, in
+// ChunkStager::stage_first). Returns whether they have.
+__device__ __forceinline__ bool tc_entry(const PagedKeys &keys) {
+    const bool early = keys.fresh_keys >= 0;
+    DFLASH_PROBE(g_probe_attention, 0);
+    pdl_launch_dependents();
+    if (!early) {
+        pdl_wait();
+        DFLASH_PROBE(g_probe_attention, 1);
+    }
+    return early;
+}
+
 // A block's Q tile (m_tiles x 16 vectors from vec_base; zeros past tile_vecs) into q_s (rows of HD + kTcPad),
 // 16 bytes per cp.async, in the caller's group (after the wait: q is the rope kernel's): every piece in flight at
 // once. (Loaded into a register and stored, one piece after another, a verify's 64 vectors took a thread four L2
@@ -520,14 +565,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                      PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
-    // keys.fresh_keys >= 0: the first chunk's settled keys are staged before the wait (below).
-    const bool early = keys.fresh_keys >= 0;
-    DFLASH_PROBE(g_probe_attention, 0);
-    pdl_launch_dependents();
-    if (!early) {
-        pdl_wait();
-        DFLASH_PROBE(g_probe_attention, 1);
-    }
+    const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;                // k16 steps of Q K^T
     constexpr int kDims = HD / kT8Warps;           // head dims per warp in O: 16 or 8
@@ -535,10 +573,8 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     static_assert(kDimTiles == 1 || kDimTiles == 2, "head_dim 64 or 128");
     constexpr int kThreads = kT8Warps * 32;
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
-    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
-    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
-    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());
+    const TcStages<HD> sm{tc_smem};
+    int64_t *slot_s = sm.slots(S);
     bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);          // [64 vectors][HD + pad]
     bf16 *p_s = q_s + kTcVectors * kStride;                          // [64 vectors][64 + 8 keys]
     float *max_s = reinterpret_cast<float *>(p_s + kTcVectors * kT8PStride);  // [64 vectors][8 warps]
@@ -561,12 +597,9 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         return;
     }
 
-    // Keys below `settled` were written before this chain began (keys.fresh_keys), the rest by its kernels.
-    const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
-    const int64_t settled = early ? key_end - fresh : key_end;
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    cs.stage_first(k_stage(0), v_stage(0), kpos_stage(0), early, settled);
+    cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);  // in chunk 0's group
     cp_async_commit();
     // Per thread: the vectors of rows g and g + 8 of every m tile (index mt * 2 + h). (Their positions read before
@@ -597,15 +630,15 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         __syncthreads();     // everyone's (and Q); chunk i - 1 consumed, its stage, P and the row buffers free
         if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
         const int c = i + 1, st = c % S;
-        cs.stage_keys(kpos_stage(st));
+        cs.stage_keys(sm.kpos(st));
         cs.load_keys(c + 1);
         __syncthreads();  // slot_s written
-        if (c < n_chunks) cs.stage_kv(k_stage(st), v_stage(st), c);
+        if (c < n_chunks) cs.stage_kv(sm.k(st), sm.v(st), c);
         cp_async_commit();
         if (i == 0) DFLASH_PROBE(g_probe_attention, 6);
         const int n_keys = cs.n_keys_of(i);
-        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
-        const int32_t *kpos_st = kpos_stage(i % S);
+        const bf16 *kst = sm.k(i % S), *vst = sm.v(i % S);
+        const int32_t *kpos_st = sm.kpos(i % S);
 
         // S = Q K^T for this warp's 8 keys, every m tile of vectors.
         float sc[kT8MTiles][4];
@@ -644,8 +677,7 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                     s = ok ? s * scale : -INFINITY;
                     mx = fmaxf(mx, s);
                 }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                mx = quad_max(mx);
                 if (qd == 0) max_s[(mt * 16 + g + 8 * h) * kT8Warps + warp] = mx;
             }
         }
@@ -664,17 +696,14 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                 const float4 x1 = *reinterpret_cast<const float4 *>(max_s + vl * kT8Warps + 4);
                 const float cmax = fmaxf(fmaxf(fmaxf(x0.x, x0.y), fmaxf(x0.z, x0.w)),
                                          fmaxf(fmaxf(x1.x, x1.y), fmaxf(x1.z, x1.w)));
-                const float new_m = fmaxf(m[vi], cmax);
-                corr[vi] = new_m == -INFINITY || m[vi] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
-                                                                    : __expf(m[vi] - new_m);
-                m[vi] = new_m;
+                corr[vi] = advance_max(m[vi], cmax);
+                const float new_m = m[vi];
                 const float s0 = sc[mt][2 * h], s1 = sc[mt][2 * h + 1];
                 const float p0 = s0 == -INFINITY ? 0.f : __expf(s0 - new_m);
                 const float p1 = s1 == -INFINITY ? 0.f : __expf(s1 - new_m);
                 *reinterpret_cast<uint32_t *>(p_s + vl * kT8PStride + key0 + 2 * qd) = pack_bf16(p0, p1);
                 float ps = p0 + p1;
-                ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-                ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+                ps = quad_sum(ps);
                 if (qd == 0) sum_s[vl * kT8Warps + warp] = ps;
             }
         }
@@ -782,21 +811,13 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                      PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
-    const bool early = keys.fresh_keys >= 0;  // as attention_tc8_kernel: chunk 0's settled keys before the wait
-    DFLASH_PROBE(g_probe_attention, 0);
-    pdl_launch_dependents();
-    if (!early) {
-        pdl_wait();
-        DFLASH_PROBE(g_probe_attention, 1);
-    }
+    const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;      // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    auto k_stage = [&](int st) { return reinterpret_cast<bf16 *>(tc_smem + st * tc_stage_bytes<HD>()); };
-    auto v_stage = [&](int st) { return k_stage(st) + kTcKeys * kStride; };
-    auto kpos_stage = [&](int st) { return reinterpret_cast<int32_t *>(v_stage(st) + kTcKeys * kStride); };
-    int64_t *slot_s = reinterpret_cast<int64_t *>(tc_smem + S * tc_stage_bytes<HD>());
+    const TcStages<HD> sm{tc_smem};
+    int64_t *slot_s = sm.slots(S);
     bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
 
     const int group = n_heads / n_kv_heads;
@@ -816,11 +837,9 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         DFLASH_PROBE(g_probe_attention, 5);
         return;
     }
-    const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
-    const int64_t settled = early ? key_end - fresh : key_end;
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    cs.stage_first(k_stage(0), v_stage(0), kpos_stage(0), early, settled);
+    cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
@@ -848,16 +867,16 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
         const int c = i + 1, st = c % S;
         if (c < n_chunks) {  // block-uniform
-            cs.stage_keys(kpos_stage(st));
+            cs.stage_keys(sm.kpos(st));
             cs.load_keys(c + 1);
             __syncthreads();  // slot_s written
-            cs.stage_kv(k_stage(st), v_stage(st), c);
+            cs.stage_kv(sm.k(st), sm.v(st), c);
         }
         cp_async_commit();
         if (!busy) continue;
         const int n_keys = cs.n_keys_of(i);
-        const bf16 *kst = k_stage(i % S), *vst = v_stage(i % S);
-        const int32_t *kpos_st = kpos_stage(i % S) + kb;
+        const bf16 *kst = sm.k(i % S), *vst = sm.v(i % S);
+        const int32_t *kpos_st = sm.kpos(i % S) + kb;
 
         // S = Q K^T: this warp's 16 keys (n8 tiles 0, 1) for its 16 vectors; K fragments by ldmatrix (matrices:
         // keys 0-7 dims +0, keys 0-7 dims +8, keys 8-15 dims +0, keys 8-15 dims +8).
@@ -890,12 +909,8 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         float corr[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float new_m = fmaxf(m[h], mx[h]);
-            corr[h] = new_m == -INFINITY || m[h] == -INFINITY ? (new_m == -INFINITY ? 1.f : 0.f)
-                                                              : __expf(m[h] - new_m);
-            m[h] = new_m;
+            corr[h] = advance_max(m[h], quad_max(mx[h]));
+            const float new_m = m[h];
             float ps = 0.f;
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
@@ -905,20 +920,12 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                     s = s == -INFINITY ? 0.f : __expf(s - new_m);
                     ps += s;
                 }
-            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-            l[h] = l[h] * corr[h] + ps;
+            l[h] = l[h] * corr[h] + quad_sum(ps);
         }
         // O *= corr: O is zero before the first chunk, and a factor of exactly 1 changes nothing (skipped alike
         // for every vector, so the sums stay the same whatever shares the tile).
         if (i > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-            for (int t = 0; t < kDimTiles; ++t) {
-                o[t][0] *= corr[0];
-                o[t][1] *= corr[0];
-                o[t][2] *= corr[1];
-                o[t][3] *= corr[1];
-            }
+            scale_rows(o, corr);
         }
         // O += P V: P (bf16) as the A fragment straight from S's accumulators; V pairs of dim tiles by
         // ldmatrix.trans (matrices: keys 0-7 / 8-15 of dims +0, then of dims +8).
