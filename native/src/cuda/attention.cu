@@ -22,7 +22,8 @@ namespace {
 #ifdef DFLASH_PHASE_PROBE
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
                                         // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
-                                        // 7 S = Q K^T issued, 8 maxima published, 9 P published
+                                        // 7 S = Q K^T issued, 8 maxima published, 9 P published (6-9: the
+                                        // eight-warp kernel only; the key-quarter one stamps 0-5)
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
