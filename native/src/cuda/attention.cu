@@ -1072,12 +1072,13 @@ struct Plan {
 // whose first chunk lies past the last key returns at once and the combine reads only the splits
 // up to the last key, so one recorded graph serves every length.
 //
-// Which tensor-core kernel (head_dim 64 or 128): DFLASH_ATTN_WARPS=16 (or unset) the key-quarter one
-// (attention_tcq_kernel: up to 16 warps, 4 per m16 tile of vectors; session 31: verify 1.9%, proposes 0-2.4%
+// Which tensor-core kernel (head_dim 64 or 128) is asked for: DFLASH_ATTN_WARPS=16 (or unset) the key-quarter one
+// (attention_tcq_kernel: up to 16 warps, 4 per m16 tile of vectors; session 31: verify 1.6%, proposes 1.6-2.8%
 // faster than the eight-warp one on the H100), 8 the eight-warp one (attention_tc8_kernel), 4 the four-warp one.
-// Read once; every call of a process takes the same one (their sums differ in order).
+// Read once. tc_kernel() (below) is the one that runs: the one asked for where its shared memory fits.
 enum class TcKernel { kFour, kEight, kQuarter };
-TcKernel tc_kernel() {
+TcKernel tc_kernel();
+TcKernel requested_tc_kernel() {
     static const TcKernel k = [] {
         const char *v = std::getenv("DFLASH_ATTN_WARPS");
         if (!v || !*v || std::string(v) == "16") return TcKernel::kQuarter;
@@ -1170,7 +1171,7 @@ bool allow_tc_smem(int64_t hd) {
 }
 
 // The key-quarter kernel's shared-memory opt-ins, once per process (for the device current then). Returns whether
-// its largest instantiation fits (else the four-warp kernel runs, for every call alike).
+// its largest instantiation fits.
 bool allow_tcq_smem() {
     static const bool fits = [] {
         int device = 0, optin = 0;
@@ -1206,6 +1207,19 @@ bool allow_tc8_smem() {
         return true;
     }();
     return fits;
+}
+
+// The tensor-core kernel every call of this process runs (their sums differ in order, so it is chosen once, for
+// the device current then): the one asked for (requested_tc_kernel), else the next whose shared memory fits
+// (key-quarter 138 KB, eight-warp 101 KB; sm_86 and sm_89 allow 99: the four-warp kernel).
+TcKernel tc_kernel() {
+    static const TcKernel k = [] {
+        const TcKernel want = requested_tc_kernel();
+        if (want == TcKernel::kQuarter && allow_tcq_smem()) return TcKernel::kQuarter;
+        if (want != TcKernel::kFour && allow_tc8_smem()) return TcKernel::kEight;
+        return TcKernel::kFour;
+    }();
+    return k;
 }
 
 size_t smem_bytes(int64_t hd) {
@@ -1251,7 +1265,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                mask.causal, mask.window, keys, out_part, ml_part);
     };
-    if (tc && tc_kernel() == TcKernel::kQuarter && allow_tcq_smem()) {
+    if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
@@ -1266,7 +1280,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         else
             pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
                  tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
-    } else if (tc && tc_kernel() != TcKernel::kFour && allow_tc8_smem()) {
+    } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
         else
