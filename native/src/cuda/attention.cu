@@ -1190,7 +1190,9 @@ int64_t sm_count() {
     return n;
 }
 
-// one_wave (the key-quarter kernel, whose 4-tile blocks take a whole SM): at most one block per SM, rounded
+int64_t wave_blocks(int cluster);
+// one_wave (the key-quarter kernel, whose 4-tile blocks take a whole SM): at most one block per SM (in clusters:
+// as many as the device holds at once, whole clusters of whole GPCs), rounded
 // down to whole splits (a 1040-key verify on 132 SMs: 16 splits of 8 kv heads, not 17 with 4 blocks in a second
 // wave), else about 264 blocks. *cluster (splits per cluster asked for, a power of two; 1: none): the splits
 // round down to a multiple of it, or it halves until it is no more than the splits.
@@ -1199,7 +1201,7 @@ int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_
     const int64_t blocks_per_split = std::max<int64_t>(1, n_kv_heads * q_tiles);
     const int64_t fill = fill_blocks();
     const int64_t want = fill > 0       ? (fill + blocks_per_split - 1) / blocks_per_split
-                         : one_wave     ? std::max<int64_t>(1, sm_count() / blocks_per_split)
+                         : one_wave     ? std::max<int64_t>(1, wave_blocks(*cluster) / blocks_per_split)
                                         : (264 + blocks_per_split - 1) / blocks_per_split;
     const int64_t chunks = std::max<int64_t>(1, (capacity + chunk_keys - 1) / chunk_keys);
     int64_t splits = std::min({want, chunks, int64_t(kMaxSplits)});  // kMaxSplits: a multiple of kMaxCluster
@@ -1318,17 +1320,22 @@ TcKernel tc_kernel() {
 // Splits per thread-block cluster of the key-quarter kernel (merge_cluster), read once: DFLASH_ATTN_CLUSTER=C (2, 4,
 // 8 or 16; 0 or 1: none, the combine kernel merges every split). Where the device has no clusters (below sm_90), or
 // cannot hold one cluster of C of the kernel's largest blocks (one per SM: C SMs of one GPC), none.
-int cluster_size() {
-    static const int c = [] {
+struct ClusterFit {
+    int size;       // splits per cluster (1: none)
+    int64_t slots;  // blocks of the largest instantiation that its clusters hold at once (max active clusters x size)
+};
+ClusterFit cluster_fit() {
+    static const ClusterFit c = [] {
         const EnvInt setting = env_int("DFLASH_ATTN_CLUSTER", 0, 0, kMaxCluster);
         const int64_t want = env_value(setting, "DFLASH_ATTN_CLUSTER", "is not a cluster size (0, 1, 2, 4, 8 or 16)");
         if (want & (want - 1))
             fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_CLUSTER=", want, " (0, 1, 2, 4, 8 or 16)");
-        if (want <= 1 || tc_kernel() != TcKernel::kQuarter) return 1;
+        const ClusterFit none{1, sm_count()};
+        if (want <= 1 || tc_kernel() != TcKernel::kQuarter) return none;
         int device = 0, cc = 0;
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, device));
-        if (cc < 9) return 1;
+        if (cc < 9) return none;
         cudaLaunchAttribute attr;
         attr.id = cudaLaunchAttributeClusterDimension;
         attr.val.clusterDim.x = 1;
@@ -1342,10 +1349,12 @@ int cluster_size() {
         config.numAttrs = 1;
         int clusters = 0;
         DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, attention_tcq_kernel<128, 4>, &config));
-        return clusters > 0 ? int(want) : 1;
+        return clusters > 0 ? ClusterFit{int(want), int64_t(clusters) * want} : none;
     }();
     return c;
 }
+int cluster_size() { return cluster_fit().size; }
+int64_t wave_blocks(int cluster) { return cluster > 1 ? cluster_fit().slots : sm_count(); }
 
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
