@@ -1318,8 +1318,8 @@ TcKernel tc_kernel() {
 }
 
 // Splits per thread-block cluster of the key-quarter kernel (merge_cluster), read once: DFLASH_ATTN_CLUSTER=C (2, 4,
-// 8 or 16; 0 or 1: none, the combine kernel merges every split). Where the device has no clusters (below sm_90), or
-// cannot hold one cluster of C of the kernel's largest blocks (one per SM: C SMs of one GPC), none.
+// 8 or 16; 0 or 1: none, the combine kernel merges every split). Where the device cannot hold one cluster of C of the
+// kernel's largest blocks (one per SM: C SMs of one GPC), the largest size that it can; below sm_90, none.
 struct ClusterFit {
     int size;       // splits per cluster (1: none)
     int64_t slots;  // blocks of the largest instantiation that its clusters hold at once (max active clusters x size)
@@ -1336,20 +1336,23 @@ ClusterFit cluster_fit() {
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, device));
         if (cc < 9) return none;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1;
-        attr.val.clusterDim.y = unsigned(want);
-        attr.val.clusterDim.z = 1;
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(1, unsigned(want), 1);
-        config.blockDim = dim3(kTqQuarters * 4 * 32);
-        config.dynamicSmemBytes = tq_smem_bytes<128, 4>();
-        config.attrs = &attr;
-        config.numAttrs = 1;
-        int clusters = 0;
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, attention_tcq_kernel<128, 4>, &config));
-        return clusters > 0 ? ClusterFit{int(want), int64_t(clusters) * want} : none;
+        for (int size = int(want); size > 1; size /= 2) {  // the size asked for, else the largest that fits
+            cudaLaunchAttribute attr;
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = 1;
+            attr.val.clusterDim.y = unsigned(size);
+            attr.val.clusterDim.z = 1;
+            cudaLaunchConfig_t config = {};
+            config.gridDim = dim3(1, unsigned(size), 1);
+            config.blockDim = dim3(kTqQuarters * 4 * 32);
+            config.dynamicSmemBytes = tq_smem_bytes<128, 4>();
+            config.attrs = &attr;
+            config.numAttrs = 1;
+            int clusters = 0;
+            DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, attention_tcq_kernel<128, 4>, &config));
+            if (clusters > 0) return ClusterFit{size, int64_t(clusters) * size};
+        }
+        return none;
     }();
     return c;
 }
