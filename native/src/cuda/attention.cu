@@ -23,7 +23,8 @@ namespace {
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
                                         // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
                                         // 7 S = Q K^T issued, 8 maxima published, 9 P published (6-9: the
-                                        // eight-warp kernel only; the key-quarter one stamps 0-5)
+                                        // eight-warp kernel only; the key-quarter one stamps 0-5), 10 its
+                                        // cluster's merge done (DFLASH_ATTN_CLUSTER)
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
@@ -273,11 +274,13 @@ struct ChunkStager {
             pend_pos = keys.slot_positions[pend_ring];
         }
     }
-    __device__ void stage_keys(int32_t *kpos) {
+    // slots: where the chunk's slots go (slot_s unless the kernel keeps one buffer per stage).
+    __device__ void stage_keys(int32_t *kpos, int64_t *slots = nullptr) {
         const int j = threadIdx.x;
+        if (!slots) slots = slot_s;
         if (j < kTcKeys) {
             const bool ok = pend_block >= 0;
-            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
+            slots[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
             kpos[j] = ok ? pend_pos : 0;
         }
     }
@@ -300,12 +303,14 @@ struct ChunkStager {
         }
     }
     // part 0: every key of chunk c; 1: only those below `settled`; 2: only the others.
-    __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0) const {
+    __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0,
+                             const int64_t *slots = nullptr) const {
         const int64_t first = first0 + c * stride;
+        if (!slots) slots = slot_s;
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
-            const int64_t slot = slot_s[j];
+            const int64_t slot = slots[j];
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
             cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
@@ -790,9 +795,11 @@ constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
 
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
+constexpr int kTqStages = 3;  // two chunks in flight while one is computed, both staged before the wait
 template <int HD, int MT>
-__host__ __device__ constexpr size_t tq_loop_bytes() {
-    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
+__host__ __device__ constexpr size_t tq_loop_bytes() {  // the stages, a slot buffer per stage, the Q tile
+    return kTqStages * (tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t)) +
+           size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -874,7 +881,7 @@ __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                      PagedKeys keys, float *out_part, Split *ml_part, int cluster, bf16 *out) {
-    constexpr int S = 2;
+    constexpr int S = kTqStages;
     constexpr int kThreads = kTqQuarters * MT * 32;
     const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
@@ -882,8 +889,8 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
     extern __shared__ __align__(16) unsigned char tc_smem[];
     const TcStages<HD> sm{tc_smem};
-    int64_t *slot_s = sm.slots(S);
-    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
+    int64_t *slot_s = sm.slots(S);  // [stage][kTcKeys]: the slots of the chunk a stage holds
+    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + S * kTcKeys);  // [16 MT vectors][HD + pad]
 
     const int group = n_heads / n_kv_heads;
     const GroupOf gof(group);
@@ -913,7 +920,30 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     }
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
+    // The first S - 1 chunks: their settled keys before the wait (when early; the block table, slots and positions
+    // are settled too), the step's own keys and Q after it; then one group for all of it.
+    {
+        const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
+        const int64_t settled = early ? key_end - fresh : key_end;
+        const int pre = min(S - 1, n_chunks);
+        cs.load_keys(0);
+#pragma unroll
+        for (int c = 0; c < S - 1; ++c) {
+            if (c >= pre) break;
+            cs.stage_keys(sm.kpos(c), slot_s + c * kTcKeys);
+            cs.load_keys(c + 1);
+            __syncthreads();  // the slots written
+            cs.stage_kv(sm.k(c), sm.v(c), c, early ? 1 : 0, settled, slot_s + c * kTcKeys);
+        }
+        if (early) {
+            pdl_wait();  // the kernels before this one (the step's own keys, q) are done
+            DFLASH_PROBE(g_probe_attention, 1);
+#pragma unroll
+            for (int c = 0; c < S - 1; ++c)
+                if (c < pre && cs.first0 + c * cs.stride + kTcKeys > settled)
+                    cs.stage_kv(sm.k(c), sm.v(c), c, 2, settled, slot_s + c * kTcKeys);
+        }
+    }
     stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
@@ -936,15 +966,17 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 
     const int kb = kq * kTqKeys;  // this warp's first key in a chunk
     for (int i = 0; i < n_chunks; ++i) {
-        cp_async_wait<0>();
-        __syncthreads();  // chunk i (and Q) landed for everyone; chunk i - 1 consumed, its stage free
+        // Chunk i landed: at i = 0 everything so far (Q too); later, all but the newest group (chunk i + 1's).
+        if (i == 0) cp_async_wait<0>();
+        else cp_async_wait<S - 2>();
+        __syncthreads();  // chunk i landed for everyone; chunk i - 1 consumed, its stage free
         if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
-        const int c = i + 1, st = c % S;
+        const int c = i + S - 1, st = c % S;
         if (c < n_chunks) {  // block-uniform
-            cs.stage_keys(sm.kpos(st));
+            cs.stage_keys(sm.kpos(st), slot_s + st * kTcKeys);
             cs.load_keys(c + 1);
-            __syncthreads();  // slot_s written
-            cs.stage_kv(sm.k(st), sm.v(st), c);
+            __syncthreads();  // the slots written
+            cs.stage_kv(sm.k(st), sm.v(st), c, 0, 0, slot_s + st * kTcKeys);
         }
         cp_async_commit();
         if (!busy) continue;
@@ -1068,9 +1100,11 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         if (d == 0) ml_part[idx] = Split{best, lsum};
     }
     DFLASH_PROBE(g_probe_attention, 4);
-    if (cluster > 1)
+    if (cluster > 1) {
         merge_cluster<HD, MT>(o_s, mlc_s, tile_vecs, cluster, true, nq, n_heads, kv_head, gof, vec_base, out_part,
                               ml_part, out);
+        DFLASH_PROBE(g_probe_attention, 10);
+    }
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
