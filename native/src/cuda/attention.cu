@@ -274,13 +274,11 @@ struct ChunkStager {
             pend_pos = keys.slot_positions[pend_ring];
         }
     }
-    // slots: where the chunk's slots go (slot_s unless the kernel keeps one buffer per stage).
-    __device__ void stage_keys(int32_t *kpos, int64_t *slots = nullptr) {
+    __device__ void stage_keys(int32_t *kpos) {
         const int j = threadIdx.x;
-        if (!slots) slots = slot_s;
         if (j < kTcKeys) {
             const bool ok = pend_block >= 0;
-            slots[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
+            slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
             kpos[j] = ok ? pend_pos : 0;
         }
     }
@@ -303,14 +301,12 @@ struct ChunkStager {
         }
     }
     // part 0: every key of chunk c; 1: only those below `settled`; 2: only the others.
-    __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0,
-                             const int64_t *slots = nullptr) const {
+    __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0) const {
         const int64_t first = first0 + c * stride;
-        if (!slots) slots = slot_s;
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
-            const int64_t slot = slots[j];
+            const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
             cp_async16(vs + j * kStride + piece * 8, ok ? vc + slot * kv_width + piece * 8 : vc, ok);
@@ -795,11 +791,9 @@ constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
 
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
-constexpr int kTqStages = 3;  // two chunks in flight while one is computed, both staged before the wait
 template <int HD, int MT>
-__host__ __device__ constexpr size_t tq_loop_bytes() {  // the stages, a slot buffer per stage, the Q tile
-    return kTqStages * (tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t)) +
-           size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
+__host__ __device__ constexpr size_t tq_loop_bytes() {
+    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -817,7 +811,7 @@ __host__ __device__ constexpr size_t tq_smem_bytes() {
     return tq_loop_bytes<HD, MT>() > tq_cluster_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_cluster_bytes<HD, MT>();
 }
 
-constexpr int kMaxCluster = 16;  // blocks per cluster (16: non-portable, sm_90)
+constexpr int kMaxCluster = 8;  // blocks per cluster (portable)
 
 // A cluster's splits merged through distributed shared memory (launch_clustered: `cluster` consecutive splits of
 // one kv head and query tile), so no combine kernel reads partials back from global memory: each block has its
@@ -837,28 +831,35 @@ __device__ void merge_cluster(const float *o_s, const float2 *mlc_s, int tile_ve
     const int rank = int(cluster_rank());
     const bool final = gridDim.y == unsigned(cluster);
     const int kc = int(blockIdx.y) / cluster;
+    const unsigned o_base = unsigned(__cvta_generic_to_shared(o_s)), ml_base = unsigned(__cvta_generic_to_shared(mlc_s));
     for (int e = rank * kThreads + int(threadIdx.x); has_keys && e < tile_vecs * kQuads; e += cluster * kThreads) {
         const int vl = e / kQuads, d = (e % kQuads) * 4;
-        float w[kMaxCluster];
-        float best = -INFINITY;
+        // Every peer's (m, l) and dims, all in flight at once (a peer without keys holds no dims: weight 0, skipped).
+        float2 ml[kMaxCluster];
+        float4 x[kMaxCluster];
 #pragma unroll
         for (int k = 0; k < kMaxCluster; ++k) {
-            w[k] = k < cluster ? cluster_peer(mlc_s, k)[vl].x : -INFINITY;
-            best = fmaxf(best, w[k]);
+            ml[k] = make_float2(-INFINITY, 0.f);
+            x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (k < cluster) {
+                ml[k] = dsmem_load2(ml_base + unsigned(vl * sizeof(float2)), unsigned(k));
+                x[k] = dsmem_load4(o_base + unsigned((vl * kOS + d) * sizeof(float)), unsigned(k));
+            }
         }
+        float best = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kMaxCluster; ++k) best = fmaxf(best, ml[k].x);
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         float lsum = 0.f;
 #pragma unroll
         for (int k = 0; k < kMaxCluster; ++k) {
-            if (k >= cluster || w[k] == -INFINITY) continue;
-            const float wk = __expf(w[k] - best);
+            const float wk = ml[k].x == -INFINITY ? 0.f : __expf(ml[k].x - best);
             if (wk == 0.f) continue;
-            const float4 x = *reinterpret_cast<const float4 *>(cluster_peer(o_s, k) + vl * kOS + d);
-            acc.x = fmaf(x.x, wk, acc.x);
-            acc.y = fmaf(x.y, wk, acc.y);
-            acc.z = fmaf(x.z, wk, acc.z);
-            acc.w = fmaf(x.w, wk, acc.w);
-            lsum = fmaf(cluster_peer(mlc_s, k)[vl].y, wk, lsum);
+            acc.x = fmaf(x[k].x, wk, acc.x);
+            acc.y = fmaf(x[k].y, wk, acc.y);
+            acc.z = fmaf(x[k].z, wk, acc.z);
+            acc.w = fmaf(x[k].w, wk, acc.w);
+            lsum = fmaf(ml[k].y, wk, lsum);
         }
         const int v = vec_base + vl;
         const int64_t idx = int64_t(gof.row(v)) * n_heads + kv_head * gof.group + gof.sub(v);
@@ -881,7 +882,7 @@ __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
                      PagedKeys keys, float *out_part, Split *ml_part, int cluster, bf16 *out) {
-    constexpr int S = kTqStages;
+    constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
     const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
@@ -889,8 +890,8 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
     extern __shared__ __align__(16) unsigned char tc_smem[];
     const TcStages<HD> sm{tc_smem};
-    int64_t *slot_s = sm.slots(S);  // [stage][kTcKeys]: the slots of the chunk a stage holds
-    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + S * kTcKeys);  // [16 MT vectors][HD + pad]
+    int64_t *slot_s = sm.slots(S);
+    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
 
     const int group = n_heads / n_kv_heads;
     const GroupOf gof(group);
@@ -920,30 +921,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     }
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
-    // The first S - 1 chunks: their settled keys before the wait (when early; the block table, slots and positions
-    // are settled too), the step's own keys and Q after it; then one group for all of it.
-    {
-        const int64_t fresh = keys.fresh_keys_device ? int64_t(*keys.fresh_keys_device) : keys.fresh_keys;
-        const int64_t settled = early ? key_end - fresh : key_end;
-        const int pre = min(S - 1, n_chunks);
-        cs.load_keys(0);
-#pragma unroll
-        for (int c = 0; c < S - 1; ++c) {
-            if (c >= pre) break;
-            cs.stage_keys(sm.kpos(c), slot_s + c * kTcKeys);
-            cs.load_keys(c + 1);
-            __syncthreads();  // the slots written
-            cs.stage_kv(sm.k(c), sm.v(c), c, early ? 1 : 0, settled, slot_s + c * kTcKeys);
-        }
-        if (early) {
-            pdl_wait();  // the kernels before this one (the step's own keys, q) are done
-            DFLASH_PROBE(g_probe_attention, 1);
-#pragma unroll
-            for (int c = 0; c < S - 1; ++c)
-                if (c < pre && cs.first0 + c * cs.stride + kTcKeys > settled)
-                    cs.stage_kv(sm.k(c), sm.v(c), c, 2, settled, slot_s + c * kTcKeys);
-        }
-    }
+    cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
@@ -966,17 +944,15 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 
     const int kb = kq * kTqKeys;  // this warp's first key in a chunk
     for (int i = 0; i < n_chunks; ++i) {
-        // Chunk i landed: at i = 0 everything so far (Q too); later, all but the newest group (chunk i + 1's).
-        if (i == 0) cp_async_wait<0>();
-        else cp_async_wait<S - 2>();
-        __syncthreads();  // chunk i landed for everyone; chunk i - 1 consumed, its stage free
+        cp_async_wait<0>();
+        __syncthreads();  // chunk i (and Q) landed for everyone; chunk i - 1 consumed, its stage free
         if (i == 0) DFLASH_PROBE(g_probe_attention, 2);
-        const int c = i + S - 1, st = c % S;
+        const int c = i + 1, st = c % S;
         if (c < n_chunks) {  // block-uniform
-            cs.stage_keys(sm.kpos(st), slot_s + st * kTcKeys);
+            cs.stage_keys(sm.kpos(st));
             cs.load_keys(c + 1);
-            __syncthreads();  // the slots written
-            cs.stage_kv(sm.k(st), sm.v(st), c, 0, 0, slot_s + st * kTcKeys);
+            __syncthreads();  // slot_s written
+            cs.stage_kv(sm.k(st), sm.v(st), c);
         }
         cp_async_commit();
         if (!busy) continue;
@@ -1307,8 +1283,6 @@ bool allow_tcq_smem() {
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, device));
         auto allow = [cc](auto kernel, size_t bytes) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-            if (cc >= 9)  // clusters of 16 (merge_cluster)
-                DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         };
         allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
         allow(attention_tcq_kernel<128, 2>, tq_smem_bytes<128, 2>());
@@ -1352,7 +1326,7 @@ TcKernel tc_kernel() {
 }
 
 // Splits per thread-block cluster of the key-quarter kernel (merge_cluster), read once: DFLASH_ATTN_CLUSTER=C (2, 4,
-// 8 or 16; 0 or 1: none, the combine kernel merges every split). Where the device cannot hold one cluster of C of the
+// or 8; 0 or 1: none, the combine kernel merges every split). Where the device cannot hold one cluster of C of the
 // kernel's largest blocks (one per SM: C SMs of one GPC), the largest size that it can; below sm_90, none.
 struct ClusterFit {
     int size;       // splits per cluster (1: none)
@@ -1361,9 +1335,9 @@ struct ClusterFit {
 ClusterFit cluster_fit() {
     static const ClusterFit c = [] {
         const EnvInt setting = env_int("DFLASH_ATTN_CLUSTER", 0, 0, kMaxCluster);
-        const int64_t want = env_value(setting, "DFLASH_ATTN_CLUSTER", "is not a cluster size (0, 1, 2, 4, 8 or 16)");
+        const int64_t want = env_value(setting, "DFLASH_ATTN_CLUSTER", "is not a cluster size (0, 1, 2, 4 or 8)");
         if (want & (want - 1))
-            fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_CLUSTER=", want, " (0, 1, 2, 4, 8 or 16)");
+            fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_CLUSTER=", want, " (0, 1, 2, 4 or 8)");
         const ClusterFit none{1, sm_count()};
         if (want <= 1 || tc_kernel() != TcKernel::kQuarter) return none;
         int device = 0, cc = 0;

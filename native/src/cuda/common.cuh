@@ -225,6 +225,28 @@ __device__ __forceinline__ unsigned cluster_rank() {
 #endif
     return r;
 }
+// A float2 / float4 at shared-memory address `addr` (this block's layout) of block `rank` of the cluster.
+__device__ __forceinline__ float2 dsmem_load2(unsigned addr, unsigned rank) {
+    float2 v = make_float2(0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ float4 dsmem_load4(unsigned addr, unsigned rank) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a)
+                 : "memory");
+#endif
+    return v;
+}
 template <typename T>
 __device__ __forceinline__ const T *cluster_peer(const T *p, unsigned rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
