@@ -103,7 +103,6 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"attention", &attn, 6, "chunk 1 staging issued"}, {"attention", &attn, 7, "chunk 0: Q K^T issued"},
         {"attention", &attn, 8, "chunk 0: maxima shared"}, {"attention", &attn, 9, "chunk 0: P shared"},
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
-        {"attention", &attn, 10, "cluster merge done"},
         {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
         {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"}};
     std::printf("probe (us after the first rope block's wait returned; min / median / max over blocks, blocks)\n");

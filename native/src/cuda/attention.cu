@@ -23,8 +23,7 @@ namespace {
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
                                         // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
                                         // 7 S = Q K^T issued, 8 maxima published, 9 P published (6-9: the
-                                        // eight-warp kernel only; the key-quarter one stamps 0-5), 10 its
-                                        // cluster's merge done (DFLASH_ATTN_CLUSTER)
+                                        // eight-warp kernel only; the key-quarter one stamps 0-5)
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
@@ -800,88 +799,17 @@ __host__ __device__ constexpr size_t tq_merge_bytes() {
     return size_t(kTqQuarters) * 16 * MT * tq_ostride<HD>() * sizeof(float) +
            size_t(kTqQuarters) * 16 * MT * sizeof(float2);
 }
-// The merged split's (m, l) per vector for its cluster (merge_cluster), after the merge's buffers.
-template <int HD, int MT>
-__host__ __device__ constexpr size_t tq_cluster_bytes() {
-    return tq_merge_bytes<HD, MT>() + size_t(16 * MT) * sizeof(float2);
-}
 // The merge's buffers alias the stages (after a barrier): the larger of the two.
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_smem_bytes() {
-    return tq_loop_bytes<HD, MT>() > tq_cluster_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_cluster_bytes<HD, MT>();
-}
-
-constexpr int kMaxCluster = 8;  // blocks per cluster (portable)
-
-// A cluster's splits merged through distributed shared memory (launch_clustered: `cluster` consecutive splits of
-// one kv head and query tile), so no combine kernel reads partials back from global memory: each block has its
-// split's merged O (unnormalized, o_s: [16 MT vectors][tq_ostride]) and (m, l) (mlc_s) in its shared memory;
-// after the cluster's barrier, block r takes every cluster-th share of the tile's (vector, 4 dims) items and sums
-// them over the cluster's splits in split order, exactly as attention_combine_kernel sums splits (weights
-// exp(m_s - max), O and l weighted; a split that saw none of a vector's keys weighs 0 and is skipped, as the
-// combine skips splits past the last key and adds 0 for masked ones). A cluster that covers every split writes
-// bf16 `out`; else its merge is a partial of the clusters' combine (index: the cluster). Every thread of every
-// block calls it (two cluster barriers: the second keeps each block's shared memory until its peers have read it).
-template <int HD, int MT>
-__device__ void merge_cluster(const float *o_s, const float2 *mlc_s, int tile_vecs, int cluster, bool has_keys,
-                              int nq, int n_heads, int kv_head, const GroupOf &gof, int vec_base, float *out_part,
-                              Split *ml_part, bf16 *out) {
-    constexpr int kThreads = kTqQuarters * MT * 32, kOS = tq_ostride<HD>(), kQuads = HD / 4;
-    cluster_sync();
-    const int rank = int(cluster_rank());
-    const bool final = gridDim.y == unsigned(cluster);
-    const int kc = int(blockIdx.y) / cluster;
-    const unsigned o_base = unsigned(__cvta_generic_to_shared(o_s)), ml_base = unsigned(__cvta_generic_to_shared(mlc_s));
-    for (int e = rank * kThreads + int(threadIdx.x); has_keys && e < tile_vecs * kQuads; e += cluster * kThreads) {
-        const int vl = e / kQuads, d = (e % kQuads) * 4;
-        // Every peer's (m, l) and dims, all in flight at once (a peer without keys holds no dims: weight 0, skipped).
-        float2 ml[kMaxCluster];
-        float4 x[kMaxCluster];
-#pragma unroll
-        for (int k = 0; k < kMaxCluster; ++k) {
-            ml[k] = make_float2(-INFINITY, 0.f);
-            x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (k < cluster) {
-                ml[k] = dsmem_load2(ml_base + unsigned(vl * sizeof(float2)), unsigned(k));
-                x[k] = dsmem_load4(o_base + unsigned((vl * kOS + d) * sizeof(float)), unsigned(k));
-            }
-        }
-        float best = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < kMaxCluster; ++k) best = fmaxf(best, ml[k].x);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float lsum = 0.f;
-#pragma unroll
-        for (int k = 0; k < kMaxCluster; ++k) {
-            const float wk = ml[k].x == -INFINITY ? 0.f : __expf(ml[k].x - best);
-            if (wk == 0.f) continue;
-            acc.x = fmaf(x[k].x, wk, acc.x);
-            acc.y = fmaf(x[k].y, wk, acc.y);
-            acc.z = fmaf(x[k].z, wk, acc.z);
-            acc.w = fmaf(x[k].w, wk, acc.w);
-            lsum = fmaf(ml[k].y, wk, lsum);
-        }
-        const int v = vec_base + vl;
-        const int64_t idx = int64_t(gof.row(v)) * n_heads + kv_head * gof.group + gof.sub(v);
-        if (final) {
-            bf16 *o = out + idx * HD + d;
-            const uint32_t lo = pack_bf16(lsum > 0.f ? acc.x / lsum : 0.f, lsum > 0.f ? acc.y / lsum : 0.f);
-            const uint32_t hi = pack_bf16(lsum > 0.f ? acc.z / lsum : 0.f, lsum > 0.f ? acc.w / lsum : 0.f);
-            *reinterpret_cast<uint2 *>(o) = make_uint2(lo, hi);
-        } else {
-            const int64_t pidx = int64_t(kc) * nq * n_heads + idx;
-            *reinterpret_cast<float4 *>(out_part + pidx * HD + d) = acc;
-            if (d == 0) ml_part[pidx] = Split{best, lsum};
-        }
-    }
-    cluster_sync();
+    return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
 }
 
 template <int HD, int MT>
 __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part, int cluster, bf16 *out) {
+                     PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
     const bool early = tc_entry(keys);
@@ -905,18 +833,9 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const int m_tiles = (tile_vecs + 15) / 16;
     const bool busy = mt < m_tiles;  // warp-uniform: this warp's m tile holds vectors
 
-    // After the merge's buffers: this split's merged (m, l) per vector, for its cluster (cluster > 1).
-    float2 *mlc_s = reinterpret_cast<float2 *>(tc_smem + tq_merge_bytes<HD, MT>());
     const int64_t key_end = key_count(keys);
     if (int64_t(split) * kTcKeys >= key_end) {
         DFLASH_PROBE(g_probe_attention, 5);
-        if (cluster > 1) {  // no keys: weight 0 in its cluster's merge
-            for (int v = threadIdx.x; v < 16 * MT; v += kThreads) mlc_s[v] = make_float2(-INFINITY, 0.f);
-            pdl_wait();  // before the cluster writes what the kernels before it may read
-            merge_cluster<HD, MT>(reinterpret_cast<const float *>(tc_smem), mlc_s, tile_vecs, cluster,
-                                  int64_t(split / cluster) * cluster * kTcKeys < key_end, nq, n_heads, kv_head, gof,
-                                  vec_base, out_part, ml_part, out);
-        }
         return;
     }
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
@@ -1065,22 +984,12 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             acc.w = fmaf(x.w, w, acc.w);
             lsum = fmaf(ml[k].y, w, lsum);
         }
-        if (cluster > 1) {  // quarter 0's row: only this thread read these dims of it
-            *reinterpret_cast<float4 *>(o_s + vl * kOS + d) = acc;
-            if (d == 0) mlc_s[vl] = make_float2(best, lsum);
-            continue;
-        }
         const int v = vec_base + vl;
         const int64_t idx = (int64_t(split) * nq + gof.row(v)) * n_heads + kv_head * group + gof.sub(v);
         *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
         if (d == 0) ml_part[idx] = Split{best, lsum};
     }
     DFLASH_PROBE(g_probe_attention, 4);
-    if (cluster > 1) {
-        merge_cluster<HD, MT>(o_s, mlc_s, tile_vecs, cluster, true, nq, n_heads, kv_head, gof, vec_base, out_part,
-                              ml_part, out);
-        DFLASH_PROBE(g_probe_attention, 10);
-    }
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
@@ -1141,7 +1050,6 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
 struct Plan {
     int rows_per_tile, q_tiles, splits;
     int64_t chunk_keys;  // keys per chunk: kKeysPerChunk or kTcKeys
-    int cluster = 1;     // splits per thread-block cluster (the key-quarter kernel's merge_cluster); 1: none
 };
 
 // Keys are read in chunks (32 keys, 64 on the tensor-core path) at fixed key indices, and chunk c
@@ -1170,7 +1078,6 @@ struct Plan {
 // Read once. tc_kernel() (below) is the one that runs: the one asked for where its shared memory fits.
 enum class TcKernel { kFour, kEight, kQuarter };
 TcKernel tc_kernel();
-int cluster_size();
 TcKernel requested_tc_kernel() {
     static const TcKernel k = [] {
         const char *v = std::getenv("DFLASH_ATTN_WARPS");
@@ -1200,23 +1107,17 @@ int64_t sm_count() {
     return n;
 }
 
-int64_t wave_blocks(int cluster);
-// one_wave (the key-quarter kernel, whose 4-tile blocks take a whole SM): at most one block per SM (in clusters:
-// as many as the device holds at once, whole clusters of whole GPCs), rounded
+// one_wave (the key-quarter kernel, whose 4-tile blocks take a whole SM): at most one block per SM, rounded
 // down to whole splits (a 1040-key verify on 132 SMs: 16 splits of 8 kv heads, not 17 with 4 blocks in a second
-// wave), else about 264 blocks. *cluster (splits per cluster asked for, a power of two; 1: none): the splits
-// round down to a multiple of it, or it halves until it is no more than the splits.
-int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles, bool one_wave,
-                int *cluster) {
+// wave), else about 264 blocks.
+int grid_splits(int64_t capacity, int64_t n_kv_heads, int64_t chunk_keys, int64_t q_tiles, bool one_wave) {
     const int64_t blocks_per_split = std::max<int64_t>(1, n_kv_heads * q_tiles);
     const int64_t fill = fill_blocks();
     const int64_t want = fill > 0       ? (fill + blocks_per_split - 1) / blocks_per_split
-                         : one_wave     ? std::max<int64_t>(1, wave_blocks(*cluster) / blocks_per_split)
+                         : one_wave     ? std::max<int64_t>(1, sm_count() / blocks_per_split)
                                         : (264 + blocks_per_split - 1) / blocks_per_split;
     const int64_t chunks = std::max<int64_t>(1, (capacity + chunk_keys - 1) / chunk_keys);
-    int64_t splits = std::min({want, chunks, int64_t(kMaxSplits)});  // kMaxSplits: a multiple of kMaxCluster
-    while (*cluster > splits) *cluster /= 2;
-    return int(splits / *cluster * *cluster);
+    return int(std::min({want, chunks, int64_t(kMaxSplits)}));
 }
 
 int64_t capacity(const PagedKeys &keys) { return std::max<int64_t>(keys.ring_slots, keys.num_keys); }
@@ -1241,10 +1142,8 @@ Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
         return tc ? (rows * group + kTcVectors - 1) / kTcVectors : (rows + p.rows_per_tile - 1) / p.rows_per_tile;
     };
     p.q_tiles = int(tiles(nq));
-    const bool quarter = tc && tc_kernel() == TcKernel::kQuarter;
-    p.cluster = quarter ? cluster_size() : 1;
-    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)), quarter,
-                           &p.cluster);
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)),
+                           tc && tc_kernel() == TcKernel::kQuarter);
     return p;
 }
 
@@ -1279,9 +1178,7 @@ bool allow_tcq_smem() {
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
         if (tq_smem_bytes<128, 4>() > size_t(optin)) return false;
-        int cc = 0;
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, device));
-        auto allow = [cc](auto kernel, size_t bytes) {
+        auto allow = [](auto kernel, size_t bytes) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
         };
         allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
@@ -1324,48 +1221,6 @@ TcKernel tc_kernel() {
     }();
     return k;
 }
-
-// Splits per thread-block cluster of the key-quarter kernel (merge_cluster), read once: DFLASH_ATTN_CLUSTER=C (2, 4,
-// or 8; 0 or 1: none, the combine kernel merges every split). Where the device cannot hold one cluster of C of the
-// kernel's largest blocks (one per SM: C SMs of one GPC), the largest size that it can; below sm_90, none.
-struct ClusterFit {
-    int size;       // splits per cluster (1: none)
-    int64_t slots;  // blocks of the largest instantiation that its clusters hold at once (max active clusters x size)
-};
-ClusterFit cluster_fit() {
-    static const ClusterFit c = [] {
-        const EnvInt setting = env_int("DFLASH_ATTN_CLUSTER", 0, 0, kMaxCluster);
-        const int64_t want = env_value(setting, "DFLASH_ATTN_CLUSTER", "is not a cluster size (0, 1, 2, 4 or 8)");
-        if (want & (want - 1))
-            fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_CLUSTER=", want, " (0, 1, 2, 4 or 8)");
-        const ClusterFit none{1, sm_count()};
-        if (want <= 1 || tc_kernel() != TcKernel::kQuarter) return none;
-        int device = 0, cc = 0;
-        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, device));
-        if (cc < 9) return none;
-        for (int size = int(want); size > 1; size /= 2) {  // the size asked for, else the largest that fits
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = 1;
-            attr.val.clusterDim.y = unsigned(size);
-            attr.val.clusterDim.z = 1;
-            cudaLaunchConfig_t config = {};
-            config.gridDim = dim3(1, unsigned(size), 1);
-            config.blockDim = dim3(kTqQuarters * 4 * 32);
-            config.dynamicSmemBytes = tq_smem_bytes<128, 4>();
-            config.attrs = &attr;
-            config.numAttrs = 1;
-            int clusters = 0;
-            DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, attention_tcq_kernel<128, 4>, &config));
-            if (clusters > 0) return ClusterFit{size, int64_t(clusters) * size};
-        }
-        return none;
-    }();
-    return c;
-}
-int cluster_size() { return cluster_fit().size; }
-int64_t wave_blocks(int cluster) { return cluster > 1 ? cluster_fit().slots : sm_count(); }
 
 size_t smem_bytes(int64_t hd) {
     return kMaxQueryVectors * hd * sizeof(float) + 2 * kKeysPerChunk * (hd + kPad) * sizeof(bf16) +
@@ -1414,15 +1269,10 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
-        auto go_q = [&](auto kernel, int threads, size_t smem) {
-            launch_clustered(kernel, grid, threads, smem, s, unsigned(p.cluster), q, ldq, int(nq), q_positions,
-                             int(n_heads), int(n_kv_heads), scale, mask.causal, mask.window, keys, out_part, ml_part,
-                             p.cluster, out);
-        };
         auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            if (mt <= 1) go_q(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) go_q(k2, 2 * kTqQuarters * 32, b2);
-            else go_q(k4, 4 * kTqQuarters * 32, b4);
+            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
+            else go(k4, 4 * kTqQuarters * 32, b4);
         };
         if (head_dim == 128)
             pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
@@ -1461,11 +1311,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), int(head_dim), p.rows_per_tile,
             scale, mask.causal, mask.window, keys, out_part, ml_part);
     }
-    // Clusters merge their splits (merge_cluster): one cluster writes `out`, several leave a partial each, in
-    // cluster order, for the combine (cluster k holds keys from k x cluster x chunk_keys).
-    if (p.splits == p.cluster && p.cluster > 1) return;
-    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s, out_part, ml_part, p.splits / p.cluster, keys,
-           p.chunk_keys * p.cluster, int(nq), int(n_heads), int(head_dim), out);
+    launch(attention_combine_kernel, unsigned(nq * n_heads), 128, 0, s,
+        out_part, ml_part, p.splits, keys, p.chunk_keys, int(nq), int(n_heads), int(head_dim), out);
 }
 
 #ifdef DFLASH_PHASE_PROBE

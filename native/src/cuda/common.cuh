@@ -208,57 +208,6 @@ __device__ __forceinline__ void pdl_prologue() {
     pdl_wait();
 }
 
-// Thread-block clusters (sm_90+; launch_clustered): every thread of every block of the cluster arrives, then waits
-// for all of them; writes to shared memory before it are visible to the cluster's blocks after it (release /
-// acquire). cluster_rank: this block's index in its cluster. cluster_peer: the address of `p` (this block's shared
-// memory) in block `rank`'s shared memory, for ordinary loads (distributed shared memory). Below sm_90 they are
-// absent (never launched there).
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-    return r;
-}
-// A float2 / float4 at shared-memory address `addr` (this block's layout) of block `rank` of the cluster.
-__device__ __forceinline__ float2 dsmem_load2(unsigned addr, unsigned rank) {
-    float2 v = make_float2(0.f, 0.f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
-#endif
-    return v;
-}
-__device__ __forceinline__ float4 dsmem_load4(unsigned addr, unsigned rank) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a)
-                 : "memory");
-#endif
-    return v;
-}
-template <typename T>
-__device__ __forceinline__ const T *cluster_peer(const T *p, unsigned rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint64_t out;
-    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-    return reinterpret_cast<const T *>(out);
-#else
-    (void)rank;
-    return p;
-#endif
-}
-
 // The phase probe (off unless the build defines DFLASH_PHASE_PROBE: cmake -DDFLASH_PHASE_PROBE=ON, for
 // tools/gemm_chain_bench --probe): a probed kernel's thread 0 stamps %globaltimer at fixed points of its block
 // into its translation unit's table (row: the block's linear index, column: the point), so a tool sees where
@@ -352,41 +301,25 @@ bool pdl_enabled();
 
 // kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with
 // programmatic stream serialization where pdl_enabled(); a bad configuration throws here.
-// launch_clustered: the same in thread-block clusters of cluster_y blocks along y (sm_90+; the caller checks the
-// device: attention's cluster_size()); cluster_y 1 is launch().
 template <typename... Params, typename... Args>
-void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                      unsigned cluster_y, Args &&...args) {
-    const bool pdl = pdl_enabled();
-    if (!pdl && cluster_y <= 1) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            Args &&...args) {
+    if (!pdl_enabled()) {
         kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
         DFLASH_CUDA_LAUNCHED();
         return;
     }
-    cudaLaunchAttribute attr[2];
-    unsigned n = 0;
-    if (pdl) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster_y > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = 1;
-        attr[n].val.clusterDim.y = cluster_y;
-        attr[n++].val.clusterDim.z = 1;
-    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem;
     config.stream = s;
     config.attrs = attr;
-    config.numAttrs = n;
+    config.numAttrs = 1;
     DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&...args) {
-    launch_clustered(kernel, grid, block, smem, s, 1u, std::forward<Args>(args)...);
 }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
