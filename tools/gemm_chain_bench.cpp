@@ -17,8 +17,9 @@
 // and the combine, and whole, in one process (what each kernel adds per layer). The library's switches apply
 // (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
 // drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
-// after the timing, one more step; the last layer's rope, attention and combine blocks' %globaltimer stamps,
-// printed as min / median / max over blocks in us after the q/k/v GEMM ended (the rope kernel's wait returned).
+// after the timing, one more step; the last layer's rope, attention, combine and o_proj blocks' %globaltimer
+// stamps, printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope kernel's
+// wait returned).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,6 +41,8 @@ using namespace dflash;
 namespace dflash::cuda {  // rope.cu, attention.cu (probe builds only)
 int probe_table_rope(std::vector<unsigned long long> *out);  // the stamps per table row
 int probe_table_attention(int which, std::vector<unsigned long long> *out);
+int probe_table_gemm(std::vector<unsigned long long> *out);  // gemv_store.cu: launches of one shape
+void probe_gemm_select(int64_t n, int64_t k);
 }  // namespace dflash::cuda
 #endif
 
@@ -70,18 +73,23 @@ struct Matrix {
 
 #ifdef DFLASH_PHASE_PROBE
 // One more step with the probe tables zeroed; each table keeps its last launch's blocks (the last layer's).
-void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> &step) {
+// The GEMM rows: the last launch of shape (gemm_n, gemm_k) (o_proj's: the GEMM after the attention phase).
+void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> &step, int64_t gemm_n,
+                 int64_t gemm_k) {
     using Table = std::vector<unsigned long long>;
+    cuda::probe_gemm_select(gemm_n, gemm_k);
+    cuda::probe_table_gemm(nullptr);
     cuda::probe_table_rope(nullptr);
     cuda::probe_table_attention(0, nullptr);
     cuda::probe_table_attention(1, nullptr);
     b->synchronize();
     step();
     b->synchronize();
-    Table rope, attn, comb;
+    Table rope, attn, comb, gemm;
     const size_t stamps = size_t(cuda::probe_table_rope(&rope));  // the tables share one layout
     cuda::probe_table_attention(0, &attn);
     cuda::probe_table_attention(1, &comb);
+    cuda::probe_table_gemm(&gemm);
     auto column = [&](const Table &t, int point) {
         std::vector<unsigned long long> v;
         for (size_t i = point; i < t.size(); i += stamps)
@@ -104,14 +112,17 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"attention", &attn, 8, "chunk 0: maxima shared"}, {"attention", &attn, 9, "chunk 0: P shared"},
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
         {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
-        {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"}};
-    std::printf("probe (us after the first rope block's wait returned; min / median / max over blocks, blocks)\n");
+        {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"},
+        {"o_proj", &gemm, 0, "entry"}, {"o_proj", &gemm, 1, "ring's first chunks issued"},
+        {"o_proj", &gemm, 2, "wait returned"}, {"o_proj", &gemm, 3, "k loop done"}, {"o_proj", &gemm, 4, "end"}};
+    std::printf("probe (us after the first rope block's wait returned; min / p10 / median / p90 / max over blocks, "
+                "blocks)\n");
     for (const Point &p : points) {
         const auto v = column(*p.t, p.point);
         if (v.empty()) continue;
         auto us = [&](unsigned long long x) { return (double(x) - ref) * 1e-3; };
-        std::printf("  %-10s %-28s %8.2f %8.2f %8.2f  (%zu)\n", p.kernel, p.what, us(v.front()), us(v[v.size() / 2]),
-                    us(v.back()), v.size());
+        std::printf("  %-10s %-28s %8.2f %8.2f %8.2f %8.2f %8.2f  (%zu)\n", p.kernel, p.what, us(v.front()),
+                    us(v[v.size() / 10]), us(v[v.size() / 2]), us(v[v.size() * 9 / 10]), us(v.back()), v.size());
     }
 }
 #endif
@@ -369,7 +380,7 @@ int main(int argc, char **argv) {
         std::printf("--probe: needs --ctx N and the cuda backend (it stamps the attention phase's kernels)\n");
     } else if (probe) {
 #ifdef DFLASH_PHASE_PROBE
-        print_probe(b, step);
+        print_probe(b, step, H, Q);
 #else
         std::printf("--probe: this build has no probe (cmake -DDFLASH_PHASE_PROBE=ON)\n");
 #endif

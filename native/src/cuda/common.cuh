@@ -298,27 +298,42 @@ inline int64_t env_value(const EnvInt &e, const char *name, const char *what) {
 // Whether launches on the current device use programmatic stream serialization: compute
 // capability 9.0 or newer, unless DFLASH_PDL=0.
 bool pdl_enabled();
+// The shared memory carveout every launch asks for (cudaLaunchAttributePreferredSharedMemoryCarveout, percent of
+// the unified L1/shared memory), or -1 (the default: no attribute, the driver picks per kernel).
+// DFLASH_SMEM_CARVEOUT=100 lets blocks of kernels the driver would configure apart share an SM (session 33's probe:
+// o_proj's blocks then start beside attention's at one row), but measured no faster (README).
+int smem_carveout();
 
 // kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with
-// programmatic stream serialization where pdl_enabled(); a bad configuration throws here.
+// programmatic stream serialization where pdl_enabled() and the carveout where smem_carveout() asks for one; a bad
+// configuration throws here.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
             Args &&...args) {
-    if (!pdl_enabled()) {
+    const bool pdl = pdl_enabled();
+    const int carveout = smem_carveout();
+    if (!pdl && carveout < 0) {
         kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
         DFLASH_CUDA_LAUNCHED();
         return;
     }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2];
+    unsigned n_attrs = 0;
+    if (pdl) {
+        attr[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (carveout >= 0) {
+        attr[n_attrs].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+        attr[n_attrs++].val.sharedMemCarveout = unsigned(carveout);
+    }
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem;
     config.stream = s;
     config.attrs = attr;
-    config.numAttrs = 1;
+    config.numAttrs = n_attrs;
     DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

@@ -451,6 +451,11 @@ bool pdl_enabled() {
     return by_device[device] > 0;
 }
 
+int smem_carveout() {
+    static const EnvInt setting = env_int("DFLASH_SMEM_CARVEOUT", -1, -1, 100);
+    return int(env_value(setting, "DFLASH_SMEM_CARVEOUT", "is not a carveout percentage (-1 to 100)"));
+}
+
 const char *cuda_arch_list() { return DFLASH_CUDA_ARCH_LIST; }
 
 int cuda_device_count() {

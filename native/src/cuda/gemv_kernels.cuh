@@ -69,6 +69,22 @@ namespace dflash {
 namespace cuda {
 namespace {
 
+// The phase probe (probe builds only, gemm_chain_bench --probe): gemm_stream_kernel's launches of the shape
+// probe_gemm_select chose (N, K; each TU has its table, gemv_store.cu's is read) stamp 0 entry, 1 the ring's
+// first chunks issued, 2 the wait returned, 3 the last k loop done, 4 the end.
+#ifdef DFLASH_PHASE_PROBE
+DFLASH_PROBE_TABLE(g_probe_gemm);
+__device__ int64_t g_probe_gemm_shape[2];
+#define DFLASH_GEMM_PROBE(point)                                                    \
+    do {                                                                            \
+        if (N == g_probe_gemm_shape[0] && K == g_probe_gemm_shape[1]) DFLASH_PROBE(g_probe_gemm, point); \
+    } while (0)
+#else
+#define DFLASH_GEMM_PROBE(point) \
+    do {                         \
+    } while (0)
+#endif
+
 constexpr int kExp = DFLASH_GEMM_EXP;
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
               kExpNoWait = 32;
@@ -521,6 +537,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
     if (!late_trigger) pdl_launch_dependents();
+    DFLASH_GEMM_PROBE(0);
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
     static_assert(!PERSIST || TILED, "persistent launches stream tiled weights");
@@ -613,10 +630,12 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if (filled < total) fill_next();
         cp_async_commit();  // empty groups keep the wait count uniform
     }
+    DFLASH_GEMM_PROBE(1);
     // The weights never change: their first chunks stream in while the kernels before this one
     // finish (programmatic dependent launch, unless DFLASH_PDL=0); x is written by those kernels, so the
     // x loads wait.
     if constexpr (!(kExp & kExpNoWait)) pdl_wait();
+    DFLASH_GEMM_PROBE(2);
     // Slice: the warp's k slice of row 0 (M == 1), all its loads in flight at once, into shared memory.
     unsigned char *xslice = smem + slice_offset<KS, TILED, PERSIST, SL>() + size_t(wt.warp) * SL * kStageBytes;
     // kNorm with slices, factors before the k loop: row 0's row_scales loads go out with the slice's, one round
@@ -803,6 +822,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                     for (int e = 0; e < 8; ++e) xa[r][e] = nx[r][e];
             }
         }
+        if (t + 1 == my_tiles) DFLASH_GEMM_PROBE(3);
         if constexpr (kExp & kExpNoFinish) {  // keep the sums alive, store nothing real
             if (late_trigger && t + 1 == my_tiles) pdl_launch_dependents();
             if (acc[0][0] == 1234.5f && acc[1][3] == -1234.5f && y) y[0] = to_bf16(acc[0][1]);
@@ -836,6 +856,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                                      row_scale, accumulate, ss_out);
         }
     }
+    DFLASH_GEMM_PROBE(4);
 }
 
 // Which fuse mode (FUSE) a call's GemmFuse needs: a folded norm, else the stored rows' sums, else plain.
