@@ -225,19 +225,21 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
     _lossless_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"})
 
 
-def test_a_bad_fold_norm_mask_fails_naming_the_variable(make_pair):
-    """DFLASH_GEMM_FOLD_NORM outside 0-3 fails the first forward with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
+@pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101")])
+def test_a_bad_switch_fails_naming_the_variable(make_pair, variable, value):
+    """A switch out of its range (DFLASH_GEMM_FOLD_NORM outside 0-3, DFLASH_SMEM_CARVEOUT outside -1-100) fails the
+    call that first reads it (loading or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
     target_dir, _ = make_pair(900, **CASES[0])
     script = ("import sys, pydflash\n"
-              "with pydflash.Target.from_pretrained(sys.argv[1], backend='cuda') as t:\n"
-              "    try:\n"
+              "try:\n"
+              "    with pydflash.Target.from_pretrained(sys.argv[1], backend='cuda') as t:\n"
               "        pydflash.generate(t, None, [1, 2, 3], 2)\n"
-              "    except pydflash.DflashError as e:\n"
-              "        print('ERROR', e.status_name, e.message)\n")
-    run = _python_in_a_process({"DFLASH_GEMM_FOLD_NORM": "7"}, ["-c", script, target_dir])
+              "except pydflash.DflashError as e:\n"
+              "    print('ERROR', e.status_name, e.message)\n")
+    run = _python_in_a_process({variable: value}, ["-c", script, target_dir])
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "ERROR DFLASH_STATUS_INVALID_ARGUMENT" in run.stdout, run.stdout[-1000:]
-    assert "DFLASH_GEMM_FOLD_NORM=7" in run.stdout, run.stdout[-1000:]
+    assert f"{variable}={value}" in run.stdout, run.stdout[-1000:]
 
 
 def _speculative_equals_autoregressive(make_pair, case, block_size, prompt_lengths, max_seq_len):
