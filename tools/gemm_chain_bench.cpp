@@ -8,7 +8,7 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
-//                              [--sweep] [--noncausal] [--probe]
+//                              [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down]]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
@@ -18,7 +18,7 @@
 // (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
 // drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
 // after the timing, one more step; the last layer's rope, attention, combine and o_proj blocks' %globaltimer
-// stamps, printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope kernel's
+// stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's), printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope kernel's
 // wait returned).
 #include <cuda_runtime.h>
 
@@ -41,8 +41,15 @@ using namespace dflash;
 namespace dflash::cuda {  // rope.cu, attention.cu (probe builds only)
 int probe_table_rope(std::vector<unsigned long long> *out);  // the stamps per table row
 int probe_table_attention(int which, std::vector<unsigned long long> *out);
-int probe_table_gemm(std::vector<unsigned long long> *out);  // gemv_store.cu: launches of one shape
-void probe_gemm_select(int64_t n, int64_t k);
+// The GEMM families' tables (gemv_<family>.cu, DFLASH_GEMM_PROBE_ACCESSORS): the launches of one shape.
+int probe_table_gemm_store(std::vector<unsigned long long> *out);
+int probe_table_gemm_store_norm(std::vector<unsigned long long> *out);
+int probe_table_gemm_store_stats(std::vector<unsigned long long> *out);
+int probe_table_gemm_swiglu(std::vector<unsigned long long> *out);
+void probe_gemm_select_store(int64_t n, int64_t k);
+void probe_gemm_select_store_norm(int64_t n, int64_t k);
+void probe_gemm_select_store_stats(int64_t n, int64_t k);
+void probe_gemm_select_swiglu(int64_t n, int64_t k);
 }  // namespace dflash::cuda
 #endif
 
@@ -73,12 +80,25 @@ struct Matrix {
 
 #ifdef DFLASH_PHASE_PROBE
 // One more step with the probe tables zeroed; each table keeps its last launch's blocks (the last layer's).
-// The GEMM rows: the last launch of shape (gemm_n, gemm_k) (o_proj's: the GEMM after the attention phase).
-void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> &step, int64_t gemm_n,
-                 int64_t gemm_k) {
+// The GEMM rows: the last launch of shape (gemm_n, gemm_k) (--probe-gemm; o_proj's by default), from the first
+// family whose table it stamped (a shape is launched by one family in a chain).
+void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> &step, const char *gemm_name,
+                 int64_t gemm_n, int64_t gemm_k) {
     using Table = std::vector<unsigned long long>;
-    cuda::probe_gemm_select(gemm_n, gemm_k);
-    cuda::probe_table_gemm(nullptr);
+    using TableIo = int (*)(Table *);
+    using Select = void (*)(int64_t, int64_t);
+    const struct {
+        const char *family;
+        TableIo io;
+        Select select;
+    } families[] = {{"store", cuda::probe_table_gemm_store, cuda::probe_gemm_select_store},
+                    {"store_norm", cuda::probe_table_gemm_store_norm, cuda::probe_gemm_select_store_norm},
+                    {"store_stats", cuda::probe_table_gemm_store_stats, cuda::probe_gemm_select_store_stats},
+                    {"swiglu", cuda::probe_table_gemm_swiglu, cuda::probe_gemm_select_swiglu}};
+    for (const auto &f : families) {
+        f.select(gemm_n, gemm_k);
+        f.io(nullptr);
+    }
     cuda::probe_table_rope(nullptr);
     cuda::probe_table_attention(0, nullptr);
     cuda::probe_table_attention(1, nullptr);
@@ -89,7 +109,16 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
     const size_t stamps = size_t(cuda::probe_table_rope(&rope));  // the tables share one layout
     cuda::probe_table_attention(0, &attn);
     cuda::probe_table_attention(1, &comb);
-    cuda::probe_table_gemm(&gemm);
+    const char *gemm_family = "none";
+    for (const auto &f : families) {
+        Table t;
+        f.io(&t);
+        if (std::any_of(t.begin(), t.end(), [](unsigned long long x) { return x != 0; })) {
+            gemm = std::move(t);
+            gemm_family = f.family;
+            break;
+        }
+    }
     auto column = [&](const Table &t, int point) {
         std::vector<unsigned long long> v;
         for (size_t i = point; i < t.size(); i += stamps)
@@ -113,10 +142,10 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
         {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
         {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"},
-        {"o_proj", &gemm, 0, "entry"}, {"o_proj", &gemm, 1, "ring's first chunks issued"},
-        {"o_proj", &gemm, 2, "wait returned"}, {"o_proj", &gemm, 3, "k loop done"}, {"o_proj", &gemm, 4, "end"}};
+        {gemm_name, &gemm, 0, "entry"}, {gemm_name, &gemm, 1, "ring's first chunks issued"},
+        {gemm_name, &gemm, 2, "wait returned"}, {gemm_name, &gemm, 3, "k loop done"}, {gemm_name, &gemm, 4, "end"}};
     std::printf("probe (us after the first rope block's wait returned; min / p10 / median / p90 / max over blocks, "
-                "blocks)\n");
+                "blocks; %s: the %s family's launch)\n", gemm_name, gemm_family);
     for (const Point &p : points) {
         const auto v = column(*p.t, p.point);
         if (v.empty()) continue;
@@ -132,7 +161,7 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
 int main(int argc, char **argv) {
     int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
     bool host = false, sweep = false, causal = true, probe = false;
-    std::string only;
+    std::string only, probe_gemm = "o_proj";
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -151,9 +180,10 @@ int main(int argc, char **argv) {
         else if (a == "--sweep") sweep = true;
         else if (a == "--noncausal") causal = false;
         else if (a == "--probe") probe = true;
+        else if (a == "--probe-gemm") probe_gemm = next();
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N] [--sweep] [--noncausal] [--probe]\n");
+                                 "[--ctx N] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down]]\n");
             return 2;
         }
     }
@@ -161,8 +191,15 @@ int main(int argc, char **argv) {
         std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1, ctx 0..2^20\n");
         return 2;
     }
-    if (!only.empty() && only != "qkv" && only != "o_proj" && only != "gate_up" && only != "down") {
+    auto known = [](const std::string &name) {
+        return name == "qkv" || name == "o_proj" || name == "gate_up" || name == "down";
+    };
+    if (!only.empty() && !known(only)) {
         std::fprintf(stderr, "gemm_chain_bench: --only %s (qkv, o_proj, gate_up or down)\n", only.c_str());
+        return 2;
+    }
+    if (!known(probe_gemm)) {
+        std::fprintf(stderr, "gemm_chain_bench: --probe-gemm %s (qkv, o_proj, gate_up or down)\n", probe_gemm.c_str());
         return 2;
     }
     cudaStream_t stream = nullptr;
@@ -380,7 +417,8 @@ int main(int argc, char **argv) {
         std::printf("--probe: needs --ctx N and the cuda backend (it stamps the attention phase's kernels)\n");
     } else if (probe) {
 #ifdef DFLASH_PHASE_PROBE
-        print_probe(b, step, H, Q);
+        for (const Shape &sh : shapes)
+            if (probe_gemm == sh.name) print_probe(b, step, sh.name, sh.n, sh.k);
 #else
         std::printf("--probe: this build has no probe (cmake -DDFLASH_PHASE_PROBE=ON)\n");
 #endif

@@ -70,8 +70,8 @@ namespace cuda {
 namespace {
 
 // The phase probe (probe builds only, gemm_chain_bench --probe): gemm_stream_kernel's launches of the shape
-// probe_gemm_select chose (N, K; each TU has its table, gemv_store.cu's is read) stamp 0 entry, 1 the ring's
-// first chunks issued, 2 the wait returned, 3 the last k loop done, 4 the end.
+// probe_gemm_select_<family> chose (N, K; each family's TU has its own table, DFLASH_GEMM_PROBE_ACCESSORS) stamp 0
+// entry, 1 the ring's first chunks issued, 2 the wait returned, 3 the last k loop done, 4 the end.
 #ifdef DFLASH_PHASE_PROBE
 DFLASH_PROBE_TABLE(g_probe_gemm);
 __device__ int64_t g_probe_gemm_shape[2];
@@ -1126,5 +1126,23 @@ StreamOccupancy setup_family() {
 }
 
 }  // namespace
+
+// A family TU's probe accessors (probe builds only): probe_table_gemm_<family> (out nullptr zeroes the TU's table,
+// else it is read into out; returns the stamps per row) and probe_gemm_select_<family> (the shape that stamps).
+#ifdef DFLASH_PHASE_PROBE
+#define DFLASH_GEMM_PROBE_ACCESSORS(family)                                             \
+    int probe_table_gemm_##family(std::vector<unsigned long long> *out) {               \
+        void *sym = nullptr;                                                            \
+        DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_gemm));                    \
+        return probe_table_io(sym, out);                                                \
+    }                                                                                   \
+    void probe_gemm_select_##family(int64_t n, int64_t k) {                             \
+        const int64_t shape[2] = {n, k};                                                \
+        DFLASH_CUDA_CHECK(cudaMemcpyToSymbol(g_probe_gemm_shape, shape, sizeof shape)); \
+    }
+#else
+#define DFLASH_GEMM_PROBE_ACCESSORS(family)
+#endif
+
 }  // namespace cuda
 }  // namespace dflash

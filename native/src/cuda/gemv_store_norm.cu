@@ -10,5 +10,7 @@ void launch_store_norm(const GemmArgs &a) { launch_family<Epilogue::Store, kNorm
 
 StreamOccupancy setup_store_norm() { return setup_family<Epilogue::Store, kNorm>(); }
 
+DFLASH_GEMM_PROBE_ACCESSORS(store_norm)
+
 }  // namespace cuda
 }  // namespace dflash

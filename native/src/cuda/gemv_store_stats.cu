@@ -10,5 +10,7 @@ void launch_store_stats(const GemmArgs &a) { launch_family<Epilogue::Store, kSta
 
 StreamOccupancy setup_store_stats() { return setup_family<Epilogue::Store, kStats>(); }
 
+DFLASH_GEMM_PROBE_ACCESSORS(store_stats)
+
 }  // namespace cuda
 }  // namespace dflash

@@ -14,5 +14,7 @@ void launch_swiglu_norm(const GemmArgs &a) { launch_family<Epilogue::SwiGLU, kNo
 
 StreamOccupancy setup_swiglu_norm() { return setup_family<Epilogue::SwiGLU, kNorm>(); }
 
+DFLASH_GEMM_PROBE_ACCESSORS(swiglu)
+
 }  // namespace cuda
 }  // namespace dflash
