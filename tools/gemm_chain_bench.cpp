@@ -18,8 +18,8 @@
 // (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
 // drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
 // after the timing, one more step; the last layer's rope, attention, combine and o_proj blocks' %globaltimer
-// stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's), printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope kernel's
-// wait returned).
+// stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's), printed as min / p10 / median / p90 /
+// max over blocks in us after the q/k/v GEMM ended (the rope kernel's wait returned).
 #include <cuda_runtime.h>
 
 #include <algorithm>
