@@ -71,17 +71,32 @@ namespace {
 
 // The phase probe (probe builds only, gemm_chain_bench --probe): gemm_stream_kernel's launches of the shape
 // probe_gemm_select_<family> chose (N, K; each family's TU has its own table, DFLASH_GEMM_PROBE_ACCESSORS) stamp 0
-// entry, 1 the ring's first chunks issued, 2 the wait returned, 3 the last k loop done, 4 the end.
+// entry, 1 the ring's first chunks issued, 2 the wait returned, 3 the last k loop done, 4 the end. Thread 0 keeps
+// the stamps in registers and reads the chosen shape only at the end (DFLASH_GEMM_PROBE_STORE), so the probe adds
+// no load to the path it times.
+constexpr int kGemmProbePoints = 5;
 #ifdef DFLASH_PHASE_PROBE
 DFLASH_PROBE_TABLE(g_probe_gemm);
 __device__ int64_t g_probe_gemm_shape[2];
-#define DFLASH_GEMM_PROBE(point)                                                    \
-    do {                                                                            \
-        if (N == g_probe_gemm_shape[0] && K == g_probe_gemm_shape[1]) DFLASH_PROBE(g_probe_gemm, point); \
+static_assert(kGemmProbePoints <= kProbeStamps, "a table row holds every point");
+#define DFLASH_GEMM_PROBE(point)      \
+    do {                              \
+        probe_t[point] = probe_now(); \
+    } while (0)
+#define DFLASH_GEMM_PROBE_STORE()                                                                        \
+    do {                                                                                                 \
+        const unsigned probe_b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);        \
+        if (threadIdx.x == 0 && probe_b_ < unsigned(kProbeBlocks) && N == g_probe_gemm_shape[0] &&       \
+            K == g_probe_gemm_shape[1])                                                                  \
+            for (int p_ = 0; p_ < kGemmProbePoints; ++p_)                                                \
+                g_probe_gemm[probe_b_ * kProbeStamps + p_] = probe_t[p_];                                \
     } while (0)
 #else
 #define DFLASH_GEMM_PROBE(point) \
     do {                         \
+    } while (0)
+#define DFLASH_GEMM_PROBE_STORE() \
+    do {                          \
     } while (0)
 #endif
 
@@ -537,6 +552,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
     // block is past its (last) k loop.
     if (!late_trigger) pdl_launch_dependents();
+#ifdef DFLASH_PHASE_PROBE
+    unsigned long long probe_t[kGemmProbePoints] = {};
+#endif
     DFLASH_GEMM_PROBE(0);
     static_assert(kNt * 8 == kTileRows && kChunk == kTileCols, "a warp's chunk is one weight tile");
     static_assert(TILED || XL != XLoad::Element, "row-major weights come with vectorized x here");
@@ -857,6 +875,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         }
     }
     DFLASH_GEMM_PROBE(4);
+    DFLASH_GEMM_PROBE_STORE();
 }
 
 // Which fuse mode (FUSE) a call's GemmFuse needs: a folded norm, else the stored rows' sums, else plain.
