@@ -190,9 +190,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
 // kernel before it has finished and its writes are visible; nothing before that wait touches
 // memory that an earlier kernel writes. The GEMMs (gemm_stream_kernel, gemm_wide_kernel) stream
 // their constant weights' first chunks before the wait, and let their successor launch at their
-// start or after their k loop (gemv.cu's late_pdl_trigger; the wide GEMM always after). Launched
-// without the attribute (DFLASH_PDL=0), both instructions return at once (CUTLASS and rtp-llm
-// kernels carry them the same way); below sm_90 they are absent.
+// start, once their last weight load is issued or after their k loop (gemv.cu's pdl_trigger; the
+// wide GEMM always after). Launched without the attribute (DFLASH_PDL=0), both instructions return
+// at once (CUTLASS and rtp-llm kernels carry them the same way); below sm_90 they are absent.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -33,22 +33,30 @@ const DeviceFacts &device_facts() {
     return f;
 }
 
-// When the ring-fed GEMM lets the next kernel launch: at its start (early) or once every block is past
-// its k loop (late), so early dependents take no slots from its later blocks. DFLASH_PDL_TRIGGER=early
-// or late forces one; the default (auto) is late for calls of more than one row and early for one
-// (measured on the H200, session 12: late made verify and propose about 2% faster, decode 2% slower).
-// A function of M alone, so a row's sums do not depend on it. Read once.
-bool late_pdl_trigger(int64_t M) {
-    static const int mode = [] {  // 0 auto, 1 early, 2 late, -1 a bad value
+// When the ring-fed GEMM lets the next kernel launch (PdlTrigger, gemv_kernels.cuh): at its start (early), once
+// every block is past its k loop (late), so early dependents take no slots from its later blocks, or once every
+// block has issued its last weight load (issued: the ring still holds S - 1 chunks to consume, so the next
+// kernel is launched by the time this one's blocks exit and its blocks take their slots at once, streaming their
+// first chunks while this kernel's last blocks finish). DFLASH_PDL_TRIGGER=early, late or issued forces one; the
+// default (auto) is issued for calls of more than one row and early for one. Measured on the H100 (session 35,
+// bench.py --variants, against auto = late for more than one row): issued made verify 2.1%, the 8B propose 2.4%,
+// the 4B propose 2.8% and the ctx-8192 propose 3.5% faster, decode 1.3% slower (early stays for one row; session
+// 12 on the H200: late had made verify and propose about 2% faster than early, decode 2% slower). A function of
+// M alone, and it only moves when the next kernel's blocks are scheduled, never what they read: a row's sums
+// never depend on it. Read once.
+int pdl_trigger(int64_t M) {
+    static const int mode = [] {  // -1 auto, else a PdlTrigger; -2 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
-        if (!v || !*v || std::string(v) == "auto") return 0;
-        if (std::string(v) == "early") return 1;
-        return std::string(v) == "late" ? 2 : -1;
+        if (!v || !*v || std::string(v) == "auto") return -1;
+        if (std::string(v) == "early") return int(PdlTrigger::Early);
+        if (std::string(v) == "late") return int(PdlTrigger::Late);
+        return std::string(v) == "issued" ? int(PdlTrigger::Issued) : -2;
     }();
-    if (mode < 0)
+    if (mode == -2)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
-             " (auto, early or late)");
-    return mode == 2 || (mode == 0 && M > 1);
+             " (auto, early, late or issued)");
+    if (mode >= 0) return mode;
+    return int(M > 1 ? PdlTrigger::Issued : PdlTrigger::Early);
 }
 
 // Blocks of a persistent launch of `col_blocks` column blocks and `row_tiles` row tiles: fewer column

@@ -111,6 +111,9 @@ constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
 // SwiGLU (ring-fed kernel only): w is the fused [gate; up] weight (N = 2 * pair); half of a block's
 // column groups take gate columns, the other half the same up columns (pair later), and the block
 // stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
+// When a ring-fed GEMM lets its successor launch (gemv.cu's pdl_trigger): at its start, once every block is
+// past its k loop, or once every block has issued its last weight load.
+enum class PdlTrigger : int { Early = 0, Late = 1, Issued = 2 };
 enum class Epilogue { Store, Logits, Argmax, SwiGLU };
 
 // What a ring-fed kernel fuses (GemmFuse), a template argument so the plain kernels stay as they are:
@@ -545,13 +548,15 @@ template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPl
 __global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
 gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
-                   float *logits_out, ArgmaxPartial *partial, int64_t pair, bool late_trigger,
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
                    int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
                    bool late_scales) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
-    // could use), or, late_trigger (late_pdl_trigger: calls of more than one row by default), once every
-    // block is past its (last) k loop.
-    if (!late_trigger) pdl_launch_dependents();
+    // could use), or (pdl_trigger: PdlTrigger) once every block is past its (last) k loop, or once every
+    // block has issued its last weight load (fill_next below).
+    const bool late_trigger = trigger == int(PdlTrigger::Late);
+    bool issued_trigger = trigger == int(PdlTrigger::Issued);
+    if (trigger == int(PdlTrigger::Early)) pdl_launch_dependents();
 #ifdef DFLASH_PHASE_PROBE
     unsigned long long probe_t[kGemmProbePoints] = {};
 #endif
@@ -647,6 +652,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     for (int i = 0; i < S - 1; ++i) {
         if (filled < total) fill_next();
         cp_async_commit();  // empty groups keep the wait count uniform
+    }
+    // Every load of a warp whose whole sequence fits the ring's lead is issued already.
+    if (issued_trigger && filled == total) {
+        pdl_launch_dependents();
+        issued_trigger = false;
     }
     DFLASH_GEMM_PROBE(1);
     // The weights never change: their first chunks stream in while the kernels before this one
@@ -778,7 +788,13 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             }
             __syncwarp();            // ... and every lane's; all are done reading the one before
-            if (filled < total) fill_next();  // into the slot read last step
+            if (filled < total) {
+                fill_next();  // into the slot read last step
+                if (issued_trigger && filled == total) {  // this warp's last weight load is out
+                    pdl_launch_dependents();
+                    issued_trigger = false;
+                }
+            }
             cp_async_commit();
 
             uint32_t wb[kNt][8];
@@ -896,7 +912,7 @@ struct DeviceFacts {
     bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (StreamOccupancy)
 };
 const DeviceFacts &device_facts();
-bool late_pdl_trigger(int64_t M);
+int pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
 bool stream_enabled();
 bool slice_enabled(bool persist);
@@ -1052,7 +1068,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
             launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
-                   multiplier, softcap, logits_out, partial, pair, late_pdl_trigger(M), int64_t(col_blocks),
+                   multiplier, softcap, logits_out, partial, pair, pdl_trigger(M), int64_t(col_blocks),
                    fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
                    FUSE == kNorm && late_scales_at(persist != 0));
         } else if constexpr (!kSwiGLU && FUSE == kPlain) {
