@@ -59,12 +59,15 @@ int pdl_trigger(int64_t M) {
     return int(M > 1 ? PdlTrigger::Issued : PdlTrigger::Early);
 }
 
-// Blocks of a persistent launch of `col_blocks` column blocks and `row_tiles` row tiles: fewer column
-// blocks than that (each block then takes col_blocks / blocks of them, balanced), or 0 where one wave
-// holds the grid (nothing to gain) or DFLASH_GEMM_PERSIST=0 (an A/B switch). The sums are the same
-// either way: a column block's work does not depend on the block that does it.
-unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles) {
-    static const bool on = env_switch_on("DFLASH_GEMM_PERSIST");
+// Blocks of a persistent launch of `col_blocks` column blocks and `row_tiles` row tiles (a call of M rows):
+// fewer column blocks than that (each block then takes col_blocks / blocks of them, balanced), or 0 where one
+// wave holds the grid (nothing to gain) or DFLASH_GEMM_PERSIST=MASK leaves the call out (1: one-row calls,
+// 2: calls of more rows; default 3, both; anything but 0-3 fails naming the variable). The sums are the same
+// either way: a column block's work does not depend on the block that does it (so the choice may follow M).
+unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M) {
+    static const EnvInt mask = env_int("DFLASH_GEMM_PERSIST", 3, 0, 3);
+    const bool on = (env_value(mask, "DFLASH_GEMM_PERSIST", "is not a mask of 1 (one-row calls) and 2 (more rows)") &
+                     (M > 1 ? 2 : 1)) != 0;
     const DeviceFacts &f = device_facts();
     const int64_t per_row_tile = int64_t(f.sms) * f.persist_blocks_per_sm / std::max<int64_t>(1, row_tiles);
     if (!on || per_row_tile < 1 || col_blocks <= per_row_tile) return 0;

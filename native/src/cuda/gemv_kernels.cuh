@@ -913,7 +913,7 @@ struct DeviceFacts {
 };
 const DeviceFacts &device_facts();
 int pdl_trigger(int64_t M);
-unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles);
+unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M);
 bool stream_enabled();
 bool slice_enabled(bool persist);
 int ring_x_choice(int64_t M, bool persist, bool norm);
@@ -1006,7 +1006,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         fail(DFLASH_STATUS_NOT_SUPPORTED, "gemm: ", col_blocks, " column blocks for N = ", N,
              " (a grid holds 65535)");
     const dim3 grid(unsigned((M + kTileM - 1) / kTileM), col_blocks);
-    const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x) : 0;
+    const unsigned persist = w_tiled && x_vec ? persistent_blocks(col_blocks, grid.x, M) : 0;
     if ((fuse.any() || fuse.ss_out) && !(w_tiled || stream))
         fail(DFLASH_STATUS_INTERNAL, "gemm: a fused norm / accumulate without the ring-fed kernel");
     if (fuse.accumulate && E != Epilogue::Store) fail(DFLASH_STATUS_INTERNAL, "gemm: only a store accumulates");
