@@ -19,7 +19,7 @@
 // padded rows: verify 1.2%, propose 3% faster, decode the same.
 // A tiled launch of more than one wave of blocks runs persistent (PERSIST): one wave of blocks, each
 // streaming its column blocks' chunks as one sequence, so no block's ramp waits on another's end
-// (session 13 on the H200: verify 4.5%, propose 4-6% faster; DFLASH_GEMM_PERSIST=0 turns it off).
+// (session 13 on the H200: verify 4.5%, propose 4-6% faster; DFLASH_GEMM_PERSIST=MASK picks the calls, gemv.cu).
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
