@@ -228,9 +228,9 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
                                             ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4")])
 def test_a_bad_switch_fails_naming_the_variable(make_pair, variable, value):
-    """A switch out of its range (DFLASH_GEMM_FOLD_NORM outside 0-3, DFLASH_SMEM_CARVEOUT outside -1-100,
-    DFLASH_PDL_TRIGGER not auto, early, late or issued, DFLASH_GEMM_PERSIST outside 0-3) fails the call that first reads it (loading or the first
-    forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
+    """A switch out of its range (DFLASH_GEMM_FOLD_NORM and DFLASH_GEMM_PERSIST outside 0-3, DFLASH_SMEM_CARVEOUT
+    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued) fails the call that first reads it (loading
+    or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
     target_dir, _ = make_pair(900, **CASES[0])
     script = ("import sys, pydflash\n"
               "try:\n"
