@@ -8,7 +8,7 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
-//                              [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down]]
+//                              [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
@@ -18,8 +18,10 @@
 // (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
 // drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
 // after the timing, one more step; the last layer's rope, attention, combine and o_proj blocks' %globaltimer
-// stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's), printed as min / p10 / median / p90 /
-// max over blocks in us after the q/k/v GEMM ended (the rope kernel's wait returned).
+// stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's; a comma list: one more step each), and
+// the norm kernel's last launch (the norm before the last gate/up, where a norm kernel runs: DFLASH_GEMM_FOLD_NORM
+// without 2), printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope
+// kernel's wait returned).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,6 +42,7 @@ using namespace dflash;
 #ifdef DFLASH_PHASE_PROBE
 namespace dflash::cuda {  // rope.cu, attention.cu (probe builds only)
 int probe_table_rope(std::vector<unsigned long long> *out);  // the stamps per table row
+int probe_table_norm(std::vector<unsigned long long> *out);  // norm.cu: the norm kernel's last launch
 int probe_table_attention(int which, std::vector<unsigned long long> *out);
 // The GEMM families' tables (gemv_<family>.cu, DFLASH_GEMM_PROBE_ACCESSORS): the launches of one shape.
 int probe_table_gemm_store(std::vector<unsigned long long> *out);
@@ -100,13 +103,15 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         f.io(nullptr);
     }
     cuda::probe_table_rope(nullptr);
+    cuda::probe_table_norm(nullptr);
     cuda::probe_table_attention(0, nullptr);
     cuda::probe_table_attention(1, nullptr);
     b->synchronize();
     step();
     b->synchronize();
-    Table rope, attn, comb, gemm;
+    Table rope, attn, comb, norm, gemm;
     const size_t stamps = size_t(cuda::probe_table_rope(&rope));  // the tables share one layout
+    cuda::probe_table_norm(&norm);
     cuda::probe_table_attention(0, &attn);
     cuda::probe_table_attention(1, &comb);
     const char *gemm_family = "none";
@@ -142,6 +147,8 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
         {"combine", &comb, 0, "entry"}, {"combine", &comb, 1, "wait returned"},
         {"combine", &comb, 2, "split records in"}, {"combine", &comb, 3, "end"},
+        {"norm", &norm, 0, "entry"}, {"norm", &norm, 1, "wait returned"},
+        {"norm", &norm, 2, "row's squares summed"}, {"norm", &norm, 3, "end"},
         {gemm_name, &gemm, 0, "entry"}, {gemm_name, &gemm, 1, "ring's first chunks issued"},
         {gemm_name, &gemm, 2, "wait returned"}, {gemm_name, &gemm, 3, "k loop done"}, {gemm_name, &gemm, 4, "end"}};
     std::printf("probe (us after the first rope block's wait returned; min / p10 / median / p90 / max over blocks, "
@@ -183,7 +190,7 @@ int main(int argc, char **argv) {
         else if (a == "--probe-gemm") probe_gemm = next();
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down]]\n");
+                                 "[--ctx N] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]\n");
             return 2;
         }
     }
@@ -198,10 +205,18 @@ int main(int argc, char **argv) {
         std::fprintf(stderr, "gemm_chain_bench: --only %s (qkv, o_proj, gate_up or down)\n", only.c_str());
         return 2;
     }
-    if (!known(probe_gemm)) {
-        std::fprintf(stderr, "gemm_chain_bench: --probe-gemm %s (qkv, o_proj, gate_up or down)\n", probe_gemm.c_str());
-        return 2;
+    std::vector<std::string> probe_gemms;  // --probe-gemm a,b: one probed step per name, in order
+    for (size_t at = 0; at <= probe_gemm.size();) {
+        const size_t comma = std::min(probe_gemm.find(',', at), probe_gemm.size());
+        probe_gemms.push_back(probe_gemm.substr(at, comma - at));
+        at = comma + 1;
     }
+    for (const std::string &name : probe_gemms)
+        if (!known(name)) {
+            std::fprintf(stderr, "gemm_chain_bench: --probe-gemm %s (qkv, o_proj, gate_up or down, or a comma list)\n",
+                         probe_gemm.c_str());
+            return 2;
+        }
     cudaStream_t stream = nullptr;
     std::shared_ptr<Backend> b;
     int devices = 0;
@@ -417,8 +432,9 @@ int main(int argc, char **argv) {
         std::printf("--probe: needs --ctx N and the cuda backend (it stamps the attention phase's kernels)\n");
     } else if (probe) {
 #ifdef DFLASH_PHASE_PROBE
-        for (const Shape &sh : shapes)
-            if (probe_gemm == sh.name) print_probe(b, step, sh.name, sh.n, sh.k);
+        for (const std::string &name : probe_gemms)
+            for (const Shape &sh : shapes)
+                if (name == sh.name) print_probe(b, step, sh.name, sh.n, sh.k);
 #else
         std::printf("--probe: this build has no probe (cmake -DDFLASH_PHASE_PROBE=ON)\n");
 #endif

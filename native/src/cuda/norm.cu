@@ -2,11 +2,19 @@
 // q_norm / k_norm are the same op with groups = heads. One block per vector, fp32 statistics.
 // y may alias x: every thread reads its elements before writing them.
 #include <algorithm>
+#include <vector>
 
 #include "ops.cuh"
 
 namespace dflash {
 namespace cuda {
+
+#ifdef DFLASH_PHASE_PROBE
+// rms_norm_vec_kernel (gemm_chain_bench --probe; the last launch's blocks stay: the norm before the last layer's
+// gate/up): 0 entry, 1 after the wait, 2 the row's sum of squares done (its loads landed), 3 end.
+DFLASH_PROBE_TABLE(g_probe_norm);
+#endif
+
 namespace {
 
 constexpr int kThreads = 128;
@@ -58,6 +66,7 @@ __global__ void __launch_bounds__(1024)
 rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x, const bf16 *w, float eps, bf16 *y,
                     int64_t ld_y) {
     pdl_launch_dependents();
+    DFLASH_PROBE(g_probe_norm, 0);
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x / groups, g = blockIdx.x % groups;
     const uint4 *in = reinterpret_cast<const uint4 *>(x + row * ld_x + g * dim);
@@ -72,6 +81,7 @@ rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x, co
         wr[u] = wv && i < pieces ? wv[i] : ones;
     }
     pdl_wait();
+    DFLASH_PROBE(g_probe_norm, 1);
     float ss = 0.f;
 #pragma unroll
     for (int u = 0; u < kMaxPieces; ++u) {
@@ -85,12 +95,14 @@ rms_norm_vec_kernel(const bf16 *x, int64_t groups, int64_t dim, int64_t ld_x, co
         }
     }
     ss = block_sum(ss, scratch);
+    DFLASH_PROBE(g_probe_norm, 2);
     const float inv = rsqrtf(ss / float(dim) + eps);
 #pragma unroll
     for (int u = 0; u < kMaxPieces; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i < pieces) out[i] = normed8(xv[u], wr[u], inv);
     }
+    DFLASH_PROBE(g_probe_norm, 3);
 }
 
 // x[row] += res[row] (each sum rounded to bf16 and stored), then y[row] = norm(x[row]) * w, one
@@ -191,6 +203,15 @@ void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf1
         rms_norm(x, rows, 1, dim, dim, w, eps, y, dim, s);
     }
 }
+
+#ifdef DFLASH_PHASE_PROBE
+// gemm_chain_bench --probe: out nullptr zeroes the table, else it is read into out. Returns the stamps per row.
+int probe_table_norm(std::vector<unsigned long long> *out) {
+    void *sym = nullptr;
+    DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_norm));
+    return probe_table_io(sym, out);
+}
+#endif
 
 }  // namespace cuda
 }  // namespace dflash
