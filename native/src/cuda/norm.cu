@@ -8,14 +8,13 @@
 
 namespace dflash {
 namespace cuda {
+namespace {
 
 #ifdef DFLASH_PHASE_PROBE
 // rms_norm_vec_kernel (gemm_chain_bench --probe; the last launch's blocks stay: the norm before the last layer's
 // gate/up): 0 entry, 1 after the wait, 2 the row's sum of squares done (its loads landed), 3 end.
 DFLASH_PROBE_TABLE(g_probe_norm);
 #endif
-
-namespace {
 
 constexpr int kThreads = 128;
 
