@@ -15,7 +15,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 export PATH=/usr/local/cuda/bin:$PATH
 B=build/local
-[[ -f $B/build.ninja ]] || { echo "gemm_exp_build: configure build/local first (README: local build)" >&2; exit 2; }
+[[ -f $B/build.ninja ]] || { echo "gemm_exp_build: configure build/local first (this header: cmake -DDFLASH_OP_TESTS=ON ... -B build/local)" >&2; exit 2; }
 ninja -C "$B" gemm_chain_bench > /dev/null
 rm -rf build/exp build/exp_tus && mkdir -p build/exp build/exp_carry build/exp_tus
 build_one() {  # SPEC: [REV:]BITS

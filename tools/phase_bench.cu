@@ -1,7 +1,7 @@
 // phase_bench.cu: what a GEMM boundary costs when a step streams its weights as a chain of GEMMs, and what
 // one persistent kernel with grid barriers would save. A standalone probe (not part of the library), the
-// question behind README's "next lever": the GEMMs stream at the read ceiling in steady state, so the gap
-// to the floor is what every launch adds.
+// question behind docs/speed-log.md's "next lever": the GEMMs stream at the read ceiling in steady state, so
+// the gap to the floor is what every launch adds.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 tools/phase_bench.cu -o build/phase_bench && build/phase_bench
 //
@@ -9,7 +9,8 @@
 // contiguous share through a private 6-chunk cp.async ring (gemv.cu's persistent kernel's shape), a few
 // mma per chunk, and it depends on the phase before it through a small x buffer (read after the wait,
 // written at the end). A decode layer of Qwen3-8B is four phases (q/k/v 50 MB, o_proj 33.5 MB, gate/up
-// 201 MB, down 100 MB); 36 layers stream 14.0 GB. Variants (session 17 on an H200: README's "What a launch costs"):
+// 201 MB, down 100 MB); 36 layers stream 14.0 GB. Variants (session 17 on an H200: docs/speed-log.md's "What a
+// launch costs"):
 //   one phase        all 36 layers' bytes as one launch: the streaming ceiling for this pattern
 //   launches         144 launches, serialized
 //   launches + PDL   144 launches with programmatic dependent launch: each fills its ring before it waits

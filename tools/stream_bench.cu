@@ -15,7 +15,7 @@
 //   gemm-like     the ring with gemv.cu's consumer added step by step (mma per chunk; x loaded two chunks ahead;
 //                 a block reduce per tile), then one launch per weight-sized read (12-400 MB), two of them timed
 //                 per warp (start, first chunk landed, end) with %globaltimer
-// Session 17 on an H200: README's "What a launch costs".
+// Session 17 on an H200: docs/speed-log.md's "What a launch costs".
 #include <cstdint>
 #include <cstdio>
 #include <vector>
