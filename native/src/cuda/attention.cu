@@ -1000,7 +1000,7 @@ constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
 // are the first round trip after it. The split weights exp(m_s - max) are computed once, in parallel, into
 // shared memory; then each thread sums its dims over the splits with independent loads. (Past 16 splits the
 // unrolled loop's remainder issues one load at a time; batches of 16 or 32 loads, predicated or clamped to the
-// last split, were no faster for a propose and up to 3% slower for verify: sessions 28-29, README.)
+// last split, were no faster for a propose and up to 3% slower for verify: sessions 28-29, docs/speed-log.md.)
 __global__ void attention_combine_kernel(const float *out_part, const Split *ml_part, int grid_splits,
                                          PagedKeys keys, int64_t chunk_keys, int nq, int n_heads, int hd,
                                          bf16 *out) {
@@ -1319,10 +1319,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
 // gemm_chain_bench --probe: table 0 attention's, 1 the combine's; out nullptr zeroes it, else it is read into out.
 // Returns the stamps per row.
 int probe_table_attention(int which, std::vector<unsigned long long> *out) {
-    void *sym = nullptr;
-    if (which == 0) DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_attention));
-    else DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_combine));
-    return probe_table_io(sym, out);
+    return which == 0 ? probe_table_io(g_probe_attention, out) : probe_table_io(g_probe_combine, out);
 }
 #endif
 

@@ -225,9 +225,12 @@ __device__ __forceinline__ unsigned long long probe_now() {
         const unsigned probe_b_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
         if (threadIdx.x == 0 && probe_b_ < unsigned(kProbeBlocks)) name[probe_b_ * kProbeStamps + (point)] = probe_now(); \
     } while (0)
-// A table's host side (its symbol's address `sym`): out nullptr zeroes it, else it is read into out. Returns
-// the stamps per row (kProbeStamps), so a reader never repeats the table's layout.
-inline int probe_table_io(void *sym, std::vector<unsigned long long> *out) {
+// A table's host side (`table`, the __device__ array DFLASH_PROBE_TABLE declared): out nullptr zeroes it, else it
+// is read into out. Returns the stamps per row (kProbeStamps), so a reader never repeats the table's layout.
+template <class Table>
+int probe_table_io(const Table &table, std::vector<unsigned long long> *out) {
+    void *sym = nullptr;
+    DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, table));
     const size_t bytes = size_t(kProbeBlocks) * kProbeStamps * sizeof(unsigned long long);
     if (!out) {
         DFLASH_CUDA_CHECK(cudaMemset(sym, 0, bytes));
@@ -301,7 +304,7 @@ bool pdl_enabled();
 // The shared memory carveout every launch asks for (cudaLaunchAttributePreferredSharedMemoryCarveout, percent of
 // the unified L1/shared memory), or -1 (the default: no attribute, the driver picks per kernel).
 // DFLASH_SMEM_CARVEOUT=100 lets blocks of kernels the driver would configure apart share an SM (session 33's probe:
-// o_proj's blocks then start beside attention's at one row), but measured no faster (README).
+// o_proj's blocks then start beside attention's at one row), but measured no faster (docs/speed-log.md).
 int smem_carveout();
 
 // kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with

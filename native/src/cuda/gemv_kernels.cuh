@@ -1167,9 +1167,7 @@ StreamOccupancy setup_family() {
 #ifdef DFLASH_PHASE_PROBE
 #define DFLASH_GEMM_PROBE_ACCESSORS(family)                                             \
     int probe_table_gemm_##family(std::vector<unsigned long long> *out) {               \
-        void *sym = nullptr;                                                            \
-        DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_gemm));                    \
-        return probe_table_io(sym, out);                                                \
+        return probe_table_io(g_probe_gemm, out);                                       \
     }                                                                                   \
     void probe_gemm_select_##family(int64_t n, int64_t k) {                             \
         const int64_t shape[2] = {n, k};                                                \

@@ -205,11 +205,7 @@ void add_rms_norm(bf16 *x, const bf16 *res, int64_t rows, int64_t dim, const bf1
 
 #ifdef DFLASH_PHASE_PROBE
 // gemm_chain_bench --probe: out nullptr zeroes the table, else it is read into out. Returns the stamps per row.
-int probe_table_norm(std::vector<unsigned long long> *out) {
-    void *sym = nullptr;
-    DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_norm));
-    return probe_table_io(sym, out);
-}
+int probe_table_norm(std::vector<unsigned long long> *out) { return probe_table_io(g_probe_norm, out); }
 #endif
 
 }  // namespace cuda

@@ -264,11 +264,7 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 
 #ifdef DFLASH_PHASE_PROBE
 // gemm_chain_bench --probe: out nullptr zeroes the table, else it is read into out. Returns the stamps per row.
-int probe_table_rope(std::vector<unsigned long long> *out) {
-    void *sym = nullptr;
-    DFLASH_CUDA_CHECK(cudaGetSymbolAddress(&sym, g_probe_rope));
-    return probe_table_io(sym, out);
-}
+int probe_table_rope(std::vector<unsigned long long> *out) { return probe_table_io(g_probe_rope, out); }
 #endif
 
 }  // namespace cuda
