@@ -23,7 +23,8 @@
 #   --sanitizers LIST    comma list of compute-sanitizer tools (default memcheck,racecheck,initcheck,synccheck)
 #   --ops-args "ARGS"    extra arguments for the plain test_ops run (e.g. "--full", "--filter gemm")
 #   --ops-san-level L    test_ops level under the sanitizers: smoke | quick (default) | default
-#   --pytest-args "ARGS" extra arguments for every pytest run (e.g. "-k lifecycle")
+#   --pytest-args "ARGS" extra arguments for every pytest run, split as the shell splits words, quotes kept
+#                        (e.g. "-k lifecycle", or "-k 'smoke or lossless'")
 #   --no-ops             skip the test_ops stage (and its sanitizer runs)
 #   --bench "ARGS"       after pytest, run tools/bench.py ARGS (issue 5's speed table; "" for its defaults),
 #                        writing $OUT/bench.json, bench.png and logs/bench.log
@@ -228,6 +229,15 @@ EOF
     # Individual logs travel as one archive (the device tool returns at most 8 files).
     tar -czf "$OUT_DIR/logs/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 }
+# --pytest-args as words, with the shell's quoting ("-k 'a or b'" is two words, not four): parsed, never run.
+PYTEST_WORDS=()
+if [[ -n $PYTEST_ARGS ]]; then
+    if ! mapfile -t PYTEST_WORDS < <(python3 -c 'import shlex, sys; print("\n".join(shlex.split(sys.argv[1])))' \
+                                           "$PYTEST_ARGS") || (( ${#PYTEST_WORDS[@]} == 0 )); then
+        echo "gpu_check: --pytest-args '$PYTEST_ARGS': not shell words" >&2
+        exit 2
+    fi
+fi
 ALL_ARGS="lean=$LEAN quick=$QUICK sanitize=$SANITIZE only_ops=$ONLY_OPS ops=$OPS bench=$BENCH ab=$AB bench_args='$BENCH_ARGS' then='$THEN' pytest=$PYTEST san_pytest=$SAN_PYTEST sanitizers=$SANITIZERS ops_args='$OPS_ARGS' ops_san_level=$OPS_SAN_LEVEL pytest_args='$PYTEST_ARGS' budget=$BUDGET"
 trap 'summarize "$ALL_ARGS"' EXIT
 
@@ -375,11 +385,10 @@ EOF
 export DFLASH_TEST_OPS=$TEST_OPS
 export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
 if (( PYTEST && BUILD_OK )); then
-    # shellcheck disable=SC2086
     # tests/test_cuda_ops.py only re-runs test_ops, which stage 4 ran already.
     run_stage pytest "$LOGS/pytest.log" python3 -P -m pytest -m gpu -q -rs \
         -p no:cacheprovider --ignore=tests/test_cuda_ops.py --junitxml="$LOGS/pytest.xml" \
-        $PYTEST_ARGS tests
+        "${PYTEST_WORDS[@]}" tests
     (( STAGE_RC == 5 )) && STAGE_STATUS=ok  # no GPU test collected is not a failure
     counts=$(junit_counts "$LOGS/pytest.xml")
     if [[ -n $DEVICE_NAME && $STAGE_STATUS == ok && $counts == passed=0\ * && $counts != *skipped=0* ]]; then
@@ -504,7 +513,7 @@ if (( SANITIZE )) && (( BUILD_OK )); then
                     sanitize_job "sanitizer:$tool:pytest" "san_${tool}_pytest.log" \
                     "${san[@]}" --target-processes all python3 -P -m pytest -m gpu -v -x --durations=0 \
                     -p no:cacheprovider --ignore=tests/test_cuda_ops.py "${tool_workers[@]}" "${subset[@]}" "${only[@]}" \
-                    $PYTEST_ARGS tests &
+                    "${PYTEST_WORDS[@]}" tests &
                 pids+=($!)
             fi
         done
