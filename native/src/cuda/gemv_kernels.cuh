@@ -108,12 +108,13 @@ constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-sli
 constexpr int kTileM = 16;    // rows per mma tile
 constexpr int kChunk = 64;    // k per lane-quad step (4 mma k16 steps)
 
-// SwiGLU (ring-fed kernel only): w is the fused [gate; up] weight (N = 2 * pair); half of a block's
-// column groups take gate columns, the other half the same up columns (pair later), and the block
-// stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
 // When a ring-fed GEMM lets its successor launch (gemv.cu's pdl_trigger): at its start, once every block is
 // past its k loop, or once every block has issued its last weight load.
 enum class PdlTrigger : int { Early = 0, Late = 1, Issued = 2 };
+
+// SwiGLU (ring-fed kernel only): w is the fused [gate; up] weight (N = 2 * pair); half of a block's
+// column groups take gate columns, the other half the same up columns (pair later), and the block
+// stores silu(gate) * up, each rounded to bf16 first as the GEMM + swiglu pair rounds them.
 enum class Epilogue { Store, Logits, Argmax, SwiGLU };
 
 // What a ring-fed kernel fuses (GemmFuse), a template argument so the plain kernels stay as they are:
