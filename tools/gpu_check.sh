@@ -362,6 +362,16 @@ if (( BUILD_OK && OPS )); then
     record test_ops "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops.log $STAGE_NOTE \
         $(ops_counts "$LOGS/test_ops.log")
     [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+    # The persistent GEMM is off by default (DFLASH_GEMM_PERSIST=0 since session 37): its launches are tested
+    # by test_ops' quick GEMM cases again with it on for every call (not after a filtered run).
+    if [[ $OPS_ARGS != *--filter* ]]; then
+        run_stage test_ops_persist "$LOGS/test_ops_persist.log" env DFLASH_GEMM_PERSIST=3 "$TEST_OPS" \
+            --seed "$SEED" --quick --filter gemm
+        # shellcheck disable=SC2046
+        record test_ops_persist "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_persist.log $STAGE_NOTE \
+            $(ops_counts "$LOGS/test_ops_persist.log")
+        [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+    fi
 elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed
 fi

@@ -973,7 +973,7 @@ void test_gemm() {
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first, false);
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first ? kTileRows : 0, true);
         }
-    if (g_opt.level >= QUICK)  // tiled: 768 column blocks, a persistent launch of 3 per block on an H200
+    if (g_opt.level >= QUICK)  // tiled: 768 column blocks, a persistent launch of 3 per block on an H200 (DFLASH_GEMM_PERSIST=3)
         for (int64_t m : {int64_t(1), int64_t(16), int64_t(17)}) one(m, 12288, 1024, 0, m == 17 ? 8 : 0, 0, true);
     if (g_opt.level >= DEFAULT) {  // prefill-sized M
         one(300, 512, 512, 0, 0, 0, false);
@@ -993,7 +993,7 @@ void test_gemm_rows_agree() {
     struct Shape { int64_t n, k; bool swiglu; };  // swiglu: n is the intermediate size
     std::vector<Shape> shapes = {{300, 136, false}, {2056, 1024, false}, {64, 4096, false},
                                  {640, 136, true},  {1024, 512, true},
-                                 {12288, 1024, false}, {12288, 1024, true}};  // tiled: persistent launches
+                                 {12288, 1024, false}, {12288, 1024, true}};  // tiled: persistent under =3
     if (g_opt.level == SMOKE) shapes = {{300, 136, false}, {640, 136, true}};
     for (const Shape &sh : shapes)
         for (bool tiled : {false, true})
@@ -1046,7 +1046,8 @@ void test_gemm_rows_agree() {
 // On the H200 (264 / 396 block slots): 64 x 64 fuses with ks 1, 640 x 136 with ks 1 and a partial
 // last chunk, 608 x 200 with ks 2 (K % 64 = 8), 1024 x 512 and 3072 x 1024 with ks 4; 64 x 100
 // (K % 8 != 0) fuses with tiled weights only (element x loads); 608 x 136 and 40 x 64 (no fused
-// tiling) fall back to the pair; 12288 x 1024 (ks 4, 768 column blocks) runs persistent when tiled.
+// tiling) fall back to the pair; 12288 x 1024 (ks 4, 768 column blocks) runs persistent when tiled and
+// DFLASH_GEMM_PERSIST=3 (gpu_check.sh runs these cases again with it: persistence is off by default).
 void test_gemm_swiglu() {
     Group g("gemm_swiglu");
     if (!g.enabled()) return;
@@ -1083,7 +1084,7 @@ void test_gemm_swiglu() {
 // Norms folded into GEMMs (GemmFuse, Backend::folds_norms) against the host's: the GEMM that norms its rows
 // (x unnormed, at residual-stream scale), the one that accumulates into y (the residual add), both, and the
 // fused SwiGLU that norms; row-major and tiled weights, one and several row tiles, the persistent launch
-// (12288 x 1024 tiled), slices of one k chunk (K = 136: 3 chunks, the last partial). Then the ops' fallbacks,
+// (12288 x 1024 tiled, under DFLASH_GEMM_PERSIST=3), slices of one k chunk (K = 136: 3 chunks, the last partial). Then the ops' fallbacks,
 // which the cuda backend composes from its unfused kernels: prefill rows (the wide GEMM, M = 100) and x the
 // ring-fed kernel cannot stream (K % 8 != 0, row-major). Then fold_norm itself (bf16-rounded products).
 void test_gemm_fused() {

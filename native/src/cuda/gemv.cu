@@ -62,13 +62,13 @@ int pdl_trigger(int64_t M) {
 // Blocks of a persistent launch of `col_blocks` column blocks and `row_tiles` row tiles (a call of M rows):
 // fewer column blocks than that (each block then takes col_blocks / blocks of them, balanced), or 0 where one
 // wave holds the grid (nothing to gain) or DFLASH_GEMM_PERSIST=MASK leaves the call out (1: one-row calls,
-// 2: calls of more rows; anything but 0-3 fails naming the variable). Default 2 since session 35: on the H100,
-// with the issued trigger for more rows (pdl_trigger), one-row calls without it made decode 4.2% faster and the
-// rest the same (bench.py --variants, 3 rounds; session 13 on the H200 had measured the persistent decode 1-3%
-// faster, before the trigger and the x rings: re-measure there). The sums are the same either way: a column
-// block's work does not depend on the block that does it (so the choice may follow M).
+// 2: calls of more rows; anything but 0-3 fails naming the variable). Default 0 since session 37: on the H100
+// every run of sessions 35-37 (seven) timed verify and the proposes 0.7-2% faster without it, and session 35 had
+// already taken one-row calls out (decode 4.2% faster). Session 13 on the H200 had measured the persistent launches
+// 3-6% faster, before the issued trigger and the x rings: re-measure there. The sums are the same either way: a
+// column block's work does not depend on the block that does it (so the choice may follow M).
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M) {
-    static const EnvInt mask = env_int("DFLASH_GEMM_PERSIST", 2, 0, 3);
+    static const EnvInt mask = env_int("DFLASH_GEMM_PERSIST", 0, 0, 3);
     const bool on = (env_value(mask, "DFLASH_GEMM_PERSIST", "is not a mask of 1 (one-row calls) and 2 (more rows)") &
                      (M > 1 ? 2 : 1)) != 0;
     const DeviceFacts &f = device_facts();

@@ -17,9 +17,10 @@
 // registers and a 7-chunk ring per warp (2 blocks per SM), its k-split chosen for those slots. Ring rows
 // are swizzled, not padded (ring_offset): session 16 on the H200, 7 chunks (persistent 6) against 6 (5) in
 // padded rows: verify 1.2%, propose 3% faster, decode the same.
-// A tiled launch of more than one wave of blocks runs persistent (PERSIST): one wave of blocks, each
-// streaming its column blocks' chunks as one sequence, so no block's ramp waits on another's end
-// (session 13 on the H200: verify 4.5%, propose 4-6% faster; DFLASH_GEMM_PERSIST=MASK picks the calls, gemv.cu).
+// A tiled launch of more than one wave of blocks may run persistent (PERSIST, DFLASH_GEMM_PERSIST=MASK picks the
+// calls, gemv.cu; none by default since session 37): one wave of blocks, each streaming its column blocks' chunks
+// as one sequence, so no block's ramp waits on another's end (session 13 on the H200: verify 4.5%, propose 4-6%
+// faster; since the issued trigger and the x rings, 0.7-2% slower on the H100).
 //
 // The k permutation: mma's k slots are a free relabelling of the sum, so lane (g = lane / 4,
 // q = lane % 4) loads k0 + q*16 .. +15 of its row (16 contiguous bf16: two 16-byte loads) and
