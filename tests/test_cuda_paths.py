@@ -226,13 +226,11 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
 
 
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
-                                            ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4"),
-                                            ("DFLASH_GRAPH_CUTS", "1,x")])
+                                            ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4")])
 def test_a_bad_switch_fails_naming_the_variable(make_pair, variable, value):
     """A switch out of its range (DFLASH_GEMM_FOLD_NORM and DFLASH_GEMM_PERSIST outside 0-3, DFLASH_SMEM_CARVEOUT
-    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued, DFLASH_GRAPH_CUTS not a list of layer
-    indices) fails the call that first reads it (loading or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT
-    naming it."""
+    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued) fails the call that first reads it (loading
+    or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
     target_dir, _ = make_pair(900, **CASES[0])
     script = ("import sys, pydflash\n"
               "try:\n"
@@ -324,20 +322,6 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
         assert replays >= need, f"case {case}: only {replays} of {2 * GRAPH_STEPS} forwards were replayed"
         for i, (a, b) in enumerate(zip(graphed, eager)):
             assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
-
-
-def test_graph_pieces_equal_eager_launches():
-    """The graph test again in a process whose recorded steps are cut into three graphs each (DFLASH_GRAPH_CUTS=0,1:
-    before the first and the second layer; the test targets have 4-5 layers, the drafters 2-3): the pieces, launched one after
-    another, compute what the kernels launched one by one compute."""
-    if SHARED_GPU:
-        pytest.skip("numeric only; the sanitizer stage covers the graph test in one piece")
-    here = os.path.dirname(os.path.abspath(__file__))
-    run = _python_in_a_process({"DFLASH_GRAPH_CUTS": "0,1"}, [
-        "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-        "-k", "graph_replays_equal_eager_launches", os.path.join(here, "test_cuda_paths.py")])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "1 passed" in run.stdout, run.stdout[-500:]
 
 
 def test_cuda_sampling_runs_and_is_seeded(make_pair):

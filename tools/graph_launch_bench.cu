@@ -1,20 +1,24 @@
-// graph_launch_bench.cu: what a step's CUDA graph costs to launch on this machine, by node count and by how the
-// step is cut into graphs. A standalone probe (not part of the library) for the GPU's idle time at a step's start
-// that `bench.py --timeline` reports (session 37: 166-178 us for a 331-node verify or decode graph, 63 us for a
-// 57-node propose, on an H100).
+// graph_launch_bench.cu: what a step's CUDA graph costs to launch on this machine, by node count, by how the
+// step is cut into graphs, and by what the kernels do. A standalone probe (not part of the library) for the GPU's
+// idle time at a step's start that `bench.py --timeline` reports (session 37: 166-178 us for a 331-node verify or
+// decode graph, 63 us for a 57-node propose, on an H100).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 tools/graph_launch_bench.cu -o build/graph_launch_bench && build/graph_launch_bench
 //
 // Each graph is a chain of N kernels captured with programmatic stream serialization (as the library's launches):
-// each kernel lets the next launch at its start, waits for its predecessor, then spins for `us` microseconds on
-// one block (a stand-in for a layer's kernels; the GPU's work per kernel, not the launch, sets the step's floor).
-// Per configuration, medians of 50 steps:
+// each kernel lets the next launch at its start and waits for its predecessor, then spins for `us` microseconds
+// of %globaltimer on 132 blocks, or 2 * `us` thousand SM clock cycles (a lower clock after idling would show), or
+// reads its own 32 MiB slice of a 4 GiB buffer with 16-byte loads (memory-bound, as the GEMMs). Options per row:
+// a 4 KB pinned upload before the graph (a step's arguments) and a busy-wait on the host between steps (Python's
+// time between bench.py's steps). Per configuration, medians of 50 steps:
 //   host      the host's wall time of the launch calls alone (cudaGraphLaunch, every piece)
 //   plain     event to event around the launches on an idle GPU, as bench.py times a step
 //   queued    the same with a 3 ms sleep kernel queued first, so every launch is in before the GPU reaches it
 //   idle      plain - queued: the GPU's idle time at the step's start, waiting for the host
-// Configurations: one graph of N nodes; the same N nodes cut into a first piece of F nodes and the rest
-// (the first piece starts the GPU while the host launches the rest); and plain stream launches for scale.
+// Configurations: one graph of N nodes; the same N nodes cut into pieces launched back to back; plain stream
+// launches for scale. Session 37 on an H100 (driver 13.0): one graph of 331 nodes launched in 1.8-3.7 us of host
+// time with 0.3-2.8 us idle, whatever the kernels did or the host gap; cutting it changed nothing; 331 stream
+// launches took 713 us of host time. So a graph's launch is not what leaves the library's steps idle at their start.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -48,11 +52,38 @@ __global__ void spin_kernel(uint64_t ns, int *sink) {
     if (threadIdx.x == 0 && sink) *sink += 1;
 }
 
+// The same in SM clock cycles: its wall time follows the SM clock (an idle GPU's lower clock would show here).
+__global__ void cycles_kernel(uint64_t ns, int *sink) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const long long t0 = clock64(), cycles = (long long)ns * 2;  // about ns at 2 GHz
+    while (clock64() - t0 < cycles) {
+    }
+    if (threadIdx.x == 0 && sink) *sink += 1;
+}
+
+// A memory-bound stand-in: reads `bytes` of weights (its own slice of a buffer far past L2) with 16-byte loads.
+__global__ void stream_kernel(const uint4 *w, uint64_t n16, int *sink) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    uint32_t acc = 0;
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n16; i += uint64_t(gridDim.x) * blockDim.x) {
+        const uint4 v = __ldg(w + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u && sink) *sink = int(acc);
+}
+
 __global__ void sleep_kernel(uint64_t ns) {
     const uint64_t t0 = now_ns();
     while (now_ns() - t0 < ns) {
     }
 }
+
+enum class Work { Ns, Cycles, Stream };
+static Work g_work = Work::Ns;
+static const uint4 *g_weights = nullptr;  // Stream: kernel i reads slice i % g_slices
+static uint64_t g_slice16 = 0, g_slices = 1, g_next_slice = 0;
 
 static void launch_spin(cudaStream_t s, uint64_t ns, int *sink, int blocks) {
     cudaLaunchAttribute attr;
@@ -64,7 +95,16 @@ static void launch_spin(cudaStream_t s, uint64_t ns, int *sink, int blocks) {
     cfg.stream = s;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, ns, sink));
+    if (g_work == Work::Ns) {
+        CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, ns, sink));
+    } else if (g_work == Work::Cycles) {
+        CHECK(cudaLaunchKernelEx(&cfg, cycles_kernel, ns, sink));
+    } else {
+        cfg.blockDim = dim3(512);
+        cfg.gridDim = dim3(2 * 132);
+        const uint4 *w = g_weights + (g_next_slice++ % g_slices) * g_slice16;
+        CHECK(cudaLaunchKernelEx(&cfg, stream_kernel, w, g_slice16, sink));
+    }
 }
 
 static cudaGraphExec_t capture(cudaStream_t s, int n, uint64_t ns, int *sink, int blocks) {
@@ -89,6 +129,10 @@ struct Result {
 };
 
 // pieces: the node counts of the graphs launched back to back (empty: plain stream launches of n kernels).
+static int *g_dev_args = nullptr, *g_pinned_args = nullptr;
+static bool g_upload = false;   // a 4 KB pinned upload before the graph, as a step's arguments
+static int g_host_gap_us = 0;   // host time between steps (Python's, in bench.py), after the previous step's sync
+
 static Result measure(cudaStream_t s, const std::vector<int> &pieces, int n, uint64_t ns, int *sink, int blocks) {
     std::vector<cudaGraphExec_t> execs;
     for (int p : pieces) execs.push_back(capture(s, p, ns, sink, blocks));
@@ -99,9 +143,15 @@ static Result measure(cudaStream_t s, const std::vector<int> &pieces, int n, uin
     for (int it = 0; it < 110; ++it) {
         const bool q = it % 2;
         CHECK(cudaStreamSynchronize(s));
+        if (g_host_gap_us) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(g_host_gap_us);
+            while (std::chrono::steady_clock::now() < until) {
+            }
+        }
         if (q) sleep_kernel<<<1, 32, 0, s>>>(3000000);
         CHECK(cudaEventRecord(e0, s));
         const auto t0 = std::chrono::steady_clock::now();
+        if (g_upload) CHECK(cudaMemcpyAsync(g_dev_args, g_pinned_args, 4096, cudaMemcpyHostToDevice, s));
         if (execs.empty())
             for (int i = 0; i < n; ++i) launch_spin(s, ns, sink, blocks);
         for (cudaGraphExec_t e : execs) CHECK(cudaGraphLaunch(e, s));
@@ -133,13 +183,33 @@ int main(int argc, char **argv) {
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     int *sink;
     CHECK(cudaMalloc(&sink, sizeof(int)));
+    CHECK(cudaMalloc(&g_dev_args, 4096));
+    CHECK(cudaMallocHost(&g_pinned_args, 4096));
+    const uint64_t weight_bytes = 4ull << 30;  // 4 GiB: 128 slices of 32 MiB, far past L2
+    void *weights = nullptr;
+    CHECK(cudaMalloc(&weights, weight_bytes));
+    CHECK(cudaMemset(weights, 1, weight_bytes));
+    g_weights = static_cast<const uint4 *>(weights);
+    g_slices = 128;
+    g_slice16 = weight_bytes / g_slices / 16;
     struct Config {
         const char *what;
         int n;
         double us;
         std::vector<int> pieces;
+        Work work = Work::Ns;
+        bool upload = false;
+        int gap_us = 0;
     };
     const std::vector<Config> configs = {
+        {"one graph, SM-clock spins", 331, 15, {331}, Work::Cycles},
+        {"one graph, SM-clock spins, 100 us host gap", 331, 15, {331}, Work::Cycles, false, 100},
+        {"one graph, 32 MiB reads", 331, 0, {331}, Work::Stream},
+        {"one graph, 32 MiB reads, upload first", 331, 0, {331}, Work::Stream, true},
+        {"one graph, 32 MiB reads, upload, 100 us host gap", 331, 0, {331}, Work::Stream, true, 100},
+        {"one graph, 32 MiB reads, upload, 1000 us host gap", 331, 0, {331}, Work::Stream, true, 1000},
+        {"one graph, 32 MiB reads", 57, 0, {57}, Work::Stream},
+        {"one graph, 32 MiB reads, upload, 100 us host gap", 57, 0, {57}, Work::Stream, true, 100},
         {"one graph", 57, 15, {57}},
         {"one graph", 331, 15, {331}},
         {"one graph", 331, 2, {331}},
@@ -154,12 +224,19 @@ int main(int argc, char **argv) {
     std::printf("| graphs | kernels | us each | host launch (us) | plain (us) | queued (us) | idle at start (us) |\n");
     std::printf("|---|---|---|---|---|---|---|\n");
     for (const Config &c : configs) {
+        g_work = c.work;
+        g_upload = c.upload;
+        g_host_gap_us = c.gap_us;
+        g_next_slice = 0;
         const Result r = measure(s, c.pieces, c.n, uint64_t(c.us * 1e3), sink, blocks);
         std::printf("| %s | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", c.what, c.n, c.us, r.host, r.plain, r.queued,
                     r.plain - r.queued);
         std::fflush(stdout);
     }
     CHECK(cudaFree(sink));
+    CHECK(cudaFree(weights));
+    CHECK(cudaFree(g_dev_args));
+    CHECK(cudaFreeHost(g_pinned_args));
     CHECK(cudaStreamDestroy(s));
     return 0;
 }

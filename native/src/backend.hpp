@@ -171,9 +171,6 @@ public:
     // nothing ran: the caller runs the ops eagerly). Always ends the capture.
     virtual std::unique_ptr<Graph> end_capture() { return nullptr; }
     virtual void replay(const Graph &) { fail(DFLASH_STATUS_NOT_SUPPORTED, "this backend has no graphs"); }
-    // Called before each layer's ops: where a recorded step may be cut into separately launched graphs
-    // (cuda: DFLASH_GRAPH_CUTS). Nothing outside a capture, and nothing on a backend without graphs.
-    virtual void graph_cut(int /*layer*/) {}
     // Changes whenever op scratch is reallocated: graphs captured before another value are stale.
     virtual uint64_t scratch_epoch() const { return 0; }
 

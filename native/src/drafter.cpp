@@ -510,7 +510,6 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         // Each layer's input norm is fused with the residual add that ends the layer before it.
         backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
-            backend_->graph_cut(l);
             const Layer &layer = layers_[l];
             // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
             // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.

@@ -278,7 +278,6 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         const GemmFuse to_mlp{0.f, true, nullptr, ss_mlp}, to_qkv{0.f, true, nullptr, ss_qkv};
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
-            backend_->graph_cut(l);
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
                            GemmFuse{folded_ ? eps : 0.f, false, l > 0 ? ss_qkv : nullptr, nullptr});

@@ -6,11 +6,8 @@
 // (argmax partials, attention split partials) grows on first use and is then reused, so steady
 // state allocates nothing. Copies back to the host go through one pinned buffer and an event:
 // the host waits for its own copy, never for the whole device; small uploads go through another (upload()).
-#include <algorithm>
 #include <cstdlib>
 #include <cstdio>
-#include <memory>
-#include <string>
 #include <vector>
 
 #include "../backend.hpp"
@@ -30,45 +27,16 @@ const bf16 *weight_data(const WeightView &w, const char *op, bool tiled_ok = fal
     return as_bf16(w.data);
 }
 
-// A recorded step: one graph, or the pieces graph_cut() cut it into, launched in order.
 class CudaGraph final : public Graph {
 public:
-    ~CudaGraph() override {
-        for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
-    }
-    std::vector<cudaGraphExec_t> execs;
+    explicit CudaGraph(cudaGraphExec_t exec) : exec(exec) {}
+    ~CudaGraph() override { cudaGraphExecDestroy(exec); }
+    cudaGraphExec_t exec;
 };
-
-// DFLASH_GRAPH_CUTS=L1,L2,... (read once): a recorded step is cut into separate graphs before each of these layers
-// (Backend::graph_cut). The GPU then starts on the first piece while the host launches the rest; the kernel after a
-// cut waits for the one before it to end (no programmatic overlap across graphs). Unset or empty: one graph.
-const std::vector<int> &graph_cut_layers() {
-    static const std::vector<int> layers = [] {
-        std::vector<int> out;
-        const char *v = std::getenv("DFLASH_GRAPH_CUTS");
-        if (!v) return out;
-        const std::string text(v);
-        size_t at = 0;
-        while (at < text.size()) {
-            const size_t end = std::min(text.find(',', at), text.size());
-            const std::string item = text.substr(at, end - at);
-            char *stop = nullptr;
-            const long layer = std::strtol(item.c_str(), &stop, 10);
-            if (item.empty() || *stop || layer < 0 || layer > 100000)
-                fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_GRAPH_CUTS=", v,
-                     " is not a comma list of layer indices (0 or more)");
-            out.push_back(int(layer));
-            at = end + 1;
-        }
-        return out;
-    }();
-    return layers;
-}
 
 class CudaBackend final : public Backend {
 public:
     CudaBackend(int device, uint64_t stream, bool graphs) : device_(device), graphs_(graphs) {
-        if (graphs_) (void)graph_cut_layers();  // a bad DFLASH_GRAPH_CUTS fails here, before anything is held
         DFLASH_CUDA_CHECK(cudaSetDevice(device));
         if (stream) {
             stream_ = reinterpret_cast<cudaStream_t>(stream);
@@ -152,35 +120,25 @@ public:
 
     bool graphs_enabled() const override { return graphs_; }
     void begin_capture() override {
-        pieces_ = std::make_unique<CudaGraph>();
-        pieces_failed_ = false;
         // Thread-local: another thread's unrelated CUDA calls neither break nor join this capture.
         DFLASH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
         capturing_ = true;
     }
-    void graph_cut(int layer) override {
-        if (!capturing_) return;
-        const std::vector<int> &cuts = graph_cut_layers();
-        if (std::find(cuts.begin(), cuts.end(), layer) == cuts.end()) return;
-        end_piece();
-        const cudaError_t err = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
-        if (err != cudaSuccess) {
-            capturing_ = false;
-            pieces_.reset();
-            (void)cudaGetLastError();
-            cuda_fail(err, "beginning a graph piece's capture", __FILE__, __LINE__);
-        }
-    }
     std::unique_ptr<Graph> end_capture() override {
-        if (capturing_) end_piece();
         capturing_ = false;
-        std::unique_ptr<CudaGraph> graph = std::move(pieces_);
-        if (!graph || pieces_failed_) return nullptr;  // ~CudaGraph destroys the pieces instantiated
-        return graph;
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        cudaError_t err = cudaStreamEndCapture(stream_, &graph);
+        if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+        if (graph) cudaGraphDestroy(graph);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return nullptr;
+        }
+        return std::make_unique<CudaGraph>(exec);
     }
     void replay(const Graph &graph) override {
-        for (cudaGraphExec_t e : static_cast<const CudaGraph &>(graph).execs)
-            DFLASH_CUDA_CHECK(cudaGraphLaunch(e, stream_));
+        DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<const CudaGraph &>(graph).exec, stream_));
     }
     uint64_t scratch_epoch() const override { return scratch_epoch_; }
 
@@ -444,23 +402,6 @@ private:
         return buffer.get();
     }
 
-    // Ends the capture under way and instantiates what it recorded as the next piece of pieces_ (a failure is
-    // remembered: end_capture then returns nullptr and the caller runs the ops eagerly).
-    void end_piece() {
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        cudaError_t err = cudaStreamEndCapture(stream_, &graph);
-        if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
-        if (graph) cudaGraphDestroy(graph);
-        if (err != cudaSuccess) {
-            (void)cudaGetLastError();
-            pieces_failed_ = true;
-            return;
-        }
-        if (pieces_) pieces_->execs.push_back(exec);
-        else cudaGraphExecDestroy(exec);
-    }
-
     void release_all() noexcept {
         cudaSetDevice(device_);
         argmax_scratch_.reset();
@@ -480,8 +421,6 @@ private:
     int device_ = 0;
     bool graphs_ = true;
     bool capturing_ = false;
-    std::unique_ptr<CudaGraph> pieces_;  // the capture under way's pieces so far
-    bool pieces_failed_ = false;
     uint64_t scratch_epoch_ = 0;
     cudaStream_t stream_ = nullptr;
     bool owns_stream_ = false;
