@@ -8,7 +8,8 @@
 // Each graph is a chain of N kernels captured with programmatic stream serialization (as the library's launches):
 // each kernel lets the next launch at its start and waits for its predecessor, then spins for `us` microseconds
 // of %globaltimer on 132 blocks, or 2 * `us` thousand SM clock cycles (a lower clock after idling would show), or
-// reads its own 32 MiB slice of a 4 GiB buffer with 16-byte loads (memory-bound, as the GEMMs). Options per row:
+// spins in one of 8 distinct kernels taking a 256-byte parameter block (not run yet: session 37 wrote it after its
+// device time), or reads its own 32 MiB slice of a 4 GiB buffer with 16-byte loads (memory-bound, as the GEMMs). Options per row:
 // a 4 KB pinned upload before the graph (a step's arguments) and a busy-wait on the host between steps (Python's
 // time between bench.py's steps). Per configuration, medians of 50 steps:
 //   host      the host's wall time of the launch calls alone (cudaGraphLaunch, every piece)
@@ -74,13 +75,30 @@ __global__ void stream_kernel(const uint4 *w, uint64_t n16, int *sink) {
     if (acc == 0x12345678u && sink) *sink = int(acc);
 }
 
+// Distinct kernels with a 256-byte parameter block (as the library's GEMM and attention launches carry), spinning
+// like spin_kernel: whether a graph of many different kernels with large parameters starts later.
+struct BigParams {
+    uint64_t ns;
+    int *sink;
+    uint64_t pad[30];
+};
+template <int K>
+__global__ void mixed_kernel(BigParams p) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const uint64_t t0 = now_ns();
+    while (now_ns() - t0 < p.ns + K) {
+    }
+    if (threadIdx.x == 0 && p.sink && p.pad[K] == 1) *p.sink += K;
+}
+
 __global__ void sleep_kernel(uint64_t ns) {
     const uint64_t t0 = now_ns();
     while (now_ns() - t0 < ns) {
     }
 }
 
-enum class Work { Ns, Cycles, Stream };
+enum class Work { Ns, Cycles, Stream, Mixed };
 static Work g_work = Work::Ns;
 static const uint4 *g_weights = nullptr;  // Stream: kernel i reads slice i % g_slices
 static uint64_t g_slice16 = 0, g_slices = 1, g_next_slice = 0;
@@ -97,6 +115,21 @@ static void launch_spin(cudaStream_t s, uint64_t ns, int *sink, int blocks) {
     cfg.numAttrs = 1;
     if (g_work == Work::Ns) {
         CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, ns, sink));
+    } else if (g_work == Work::Mixed) {
+        static int next = 0;
+        BigParams p = {};
+        p.ns = ns;
+        p.sink = sink;
+        switch (next++ % 8) {
+            case 0: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<0>, p)); break;
+            case 1: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<1>, p)); break;
+            case 2: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<2>, p)); break;
+            case 3: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<3>, p)); break;
+            case 4: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<4>, p)); break;
+            case 5: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<5>, p)); break;
+            case 6: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<6>, p)); break;
+            default: CHECK(cudaLaunchKernelEx(&cfg, mixed_kernel<7>, p)); break;
+        }
     } else if (g_work == Work::Cycles) {
         CHECK(cudaLaunchKernelEx(&cfg, cycles_kernel, ns, sink));
     } else {
@@ -202,6 +235,8 @@ int main(int argc, char **argv) {
         int gap_us = 0;
     };
     const std::vector<Config> configs = {
+        {"one graph, 8 kernels x 256-byte params", 331, 15, {331}, Work::Mixed},
+        {"one graph, 8 kernels x 256-byte params", 57, 15, {57}, Work::Mixed},
         {"one graph, SM-clock spins", 331, 15, {331}, Work::Cycles},
         {"one graph, SM-clock spins, 100 us host gap", 331, 15, {331}, Work::Cycles, false, 100},
         {"one graph, 32 MiB reads", 331, 0, {331}, Work::Stream},
