@@ -67,6 +67,23 @@ def test_bench_variants_reject_a_bad_setting(tmp_path):
     assert "is not NAME=VALUE" in proc.stdout + proc.stderr
 
 
+def test_bench_variant_values_may_hold_commas():
+    """A variant's settings split at a comma only where NAME= follows, so a list value stays whole."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import importlib
+        bench = importlib.import_module("bench")
+    finally:
+        sys.path.pop(0)
+    assert bench.parse_variant("DFLASH_X=1,8") == ("DFLASH_X=1,8", {"DFLASH_X": "1,8"})
+    assert bench.parse_variant("DFLASH_X=1,8, DFLASH_Y=2,DFLASH_Z=a")[1] == {"DFLASH_X": "1,8", "DFLASH_Y": "2",
+                                                                           "DFLASH_Z": "a"}
+    assert bench.parse_variant(" default ") == ("default", {})
+    for bad in ("=2", "NOT_A_SETTING"):
+        with pytest.raises(SystemExit, match="is not NAME=VALUE"):
+            bench.parse_variant(bad)
+
+
 def test_bench_prefill_and_long_context_rows(tmp_path):
     """The prefill row has no goal (compute-bound: JSON null, "-" in the table); the 8k rows count the K/V cache in
     their floor (above the short rows' floor) and aim at 1.15x it."""

@@ -21,12 +21,14 @@ and, when torch + transformers + dflash import, the reference's median time meas
 
 Prints a table; --json writes every number; --plot a bar chart (matplotlib if installed).
 --variants: A/B runs of the same rows under environment settings the library reads once per process
-(";" between variants, "," between settings, "default" for none): each variant runs in its own
+(";" between variants, "," between settings (a comma not followed by NAME= stays in the value), "default" for
+none): each variant runs in its own
 process, the order reversed every other round (so a GPU that warms up over the run shows as a
 spread, not as a difference), and a table gives each row's median per variant and its ratio to the
 first variant.
 """
 import os
+import re
 import subprocess
 import argparse
 import json
@@ -724,7 +726,8 @@ def parse_variant(text):
     if text in ("", "default"):
         return "default", {}
     env = {}
-    for item in text.split(","):
+    # A comma starts a new setting only where NAME= follows, so a value may hold commas (DFLASH_X=1,8).
+    for item in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*=)", text):
         name, sep, value = item.strip().partition("=")
         if not sep or not name:
             raise SystemExit(f"--variants: '{item}' is not NAME=VALUE")
