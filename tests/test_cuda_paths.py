@@ -324,6 +324,27 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
             assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
 
 
+def test_step_timing_reports_each_span(make_pair):
+    """DFLASH_STEP_TIMING=1 (a diagnostic) prints, when the target is freed, the medians of a graphed step's host and
+    GPU spans: a few decode steps replay the graph, so every span is there and the graph's span is positive."""
+    if SHARED_GPU:
+        pytest.skip("a diagnostic's output, not memory safety")
+    target_dir, _ = make_pair(900, **CASES[0])
+    script = ("import sys, pydflash\n"
+              "with pydflash.Target.from_pretrained(sys.argv[1], backend='cuda') as t:\n"
+              "    pydflash.generate(t, None, [1, 2, 3], 12)\n")
+    run = _python_in_a_process({"DFLASH_STEP_TIMING": "1"}, ["-c", script, target_dir])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = [l for l in run.stderr.splitlines() if l.startswith("dflash step timing:")]
+    for span in ("host  entry -> launch", "host  launch", "gpu   entry -> pre-launch", "gpu   pre-launch -> launched",
+                 "gpu   launched -> copied"):
+        assert any(span in l for l in lines), (span, run.stderr[-2000:])
+    graph = next(l for l in lines if "pre-launch -> launched" in l)
+    assert float(graph.split("median")[1].split("us")[0]) > 0, graph
+    plain = _python_in_a_process({}, ["-c", script, target_dir])
+    assert plain.returncode == 0 and "dflash step timing" not in plain.stderr
+
+
 def test_cuda_sampling_runs_and_is_seeded(make_pair):
     target_dir, draft_dir = make_pair(900, **CASES[0])
     with Target.from_pretrained(target_dir, backend="cuda") as target, \

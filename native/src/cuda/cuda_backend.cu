@@ -12,6 +12,7 @@
 
 #include "../backend.hpp"
 #include "ops.cuh"
+#include "step_timing.cuh"
 
 namespace dflash {
 namespace {
@@ -91,6 +92,7 @@ public:
             }
             unsigned char *stage = static_cast<unsigned char *>(staging_) + at;
             std::memcpy(stage, src, bytes);
+            step_timer_.on_upload(stream_);  // DFLASH_STEP_TIMING: a step's arguments mark its entry
             DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, stage, bytes, cudaMemcpyHostToDevice, stream_));
             staging_used_ = at + bytes;
             return;
@@ -101,13 +103,16 @@ public:
         if (!bytes) return;
         if (bytes <= kPinnedBytes) {  // the common case: a few tokens
             DFLASH_CUDA_CHECK(cudaMemcpyAsync(pinned_, src, bytes, cudaMemcpyDeviceToHost, stream_));
+            step_timer_.on_download_enqueued(stream_);
             DFLASH_CUDA_CHECK(cudaEventRecord(copied_, stream_));
             DFLASH_CUDA_CHECK(cudaEventSynchronize(copied_));
             std::memcpy(dst, pinned_, bytes);
         } else {
             DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+            step_timer_.on_download_enqueued(stream_);
             DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
         }
+        step_timer_.on_download_done();
         staging_used_ = 0;  // the stream has passed every staged upload
     }
     void copy(void *dst, const void *src, size_t bytes) override {
@@ -138,7 +143,9 @@ public:
         return std::make_unique<CudaGraph>(exec);
     }
     void replay(const Graph &graph) override {
+        step_timer_.before_launch(stream_);
         DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<const CudaGraph &>(graph).exec, stream_));
+        step_timer_.after_launch(stream_);
     }
     uint64_t scratch_epoch() const override { return scratch_epoch_; }
 
@@ -428,6 +435,7 @@ private:
     void *pinned_ = nullptr;
     void *staging_ = nullptr;
     size_t staging_used_ = 0;
+    cuda::StepTimer step_timer_;  // DFLASH_STEP_TIMING=1 only (step_timing.cuh)
     DeviceBuffer argmax_scratch_, attention_scratch_;
     DeviceBuffer norm_scratch_, product_scratch_;  // unfused GemmFuse: the normed x, the product
 };

@@ -1,0 +1,143 @@
+// step_timing.cuh: DFLASH_STEP_TIMING=1 (read once), a diagnostic of where a step's time goes between the host and
+// the GPU (docs/speed-log.md, session 37: bench.py --timeline finds the GPU idle for 166-178 us at the start of a
+// verify or decode and 63 us of a 4B propose, which the graph launch alone does not explain).
+//
+// A step, as the cuda backend sees it, runs from the first upload after a download (its arguments) to the next
+// download (its result). The timer records GPU events with timing at the step's first upload (entry), before the
+// first and after the last graph launch of the step, and after the download's copy, and times the host calls
+// between them. At the backend's end it prints the medians over the steps seen (to stderr):
+//   host  entry -> launch        the host's time from the step's first upload to its graph launch call
+//   host  launch                 the graph launch calls themselves
+//   host  launch -> download     the host's time from the launch to the download's enqueue
+//   gpu   entry -> pre-launch    GPU time between the marks: the upload copies, and any time the GPU waited for the
+//                                host (an idle GPU stamps an event when the host records it)
+//   gpu   pre-launch -> launched the graph's span: its start latency on the GPU and its kernels
+//   gpu   launched -> copied     the download's copy
+// Steps without a graph (eager launches) print only their entry -> copied span. Nothing is recorded when the
+// switch is off.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace dflash::cuda {
+
+class StepTimer {
+public:
+    static bool enabled() {
+        static const bool on = [] {
+            const char *v = std::getenv("DFLASH_STEP_TIMING");
+            return v && *v && std::string(v) != "0";
+        }();
+        return on;
+    }
+
+    ~StepTimer() {
+        report();
+        for (cudaEvent_t e : events_)
+            if (e) cudaEventDestroy(e);
+    }
+
+    // The step's first upload marks its entry (later uploads of the step do nothing).
+    void on_upload(cudaStream_t s) {
+        if (!enabled() || open_ || !ready()) return;
+        open_ = true;
+        launched_ = false;
+        host_entry_ = now();
+        cudaEventRecord(events_[kEntry], s);
+    }
+    void before_launch(cudaStream_t s) {
+        if (!open_) return;
+        host_launch_ = now();
+        if (!launched_) {
+            host_first_launch_ = host_launch_;
+            cudaEventRecord(events_[kPre], s);
+        }
+    }
+    void after_launch(cudaStream_t s) {
+        if (!open_) return;
+        launch_us_ += us(host_launch_, now());
+        launched_ = true;
+        cudaEventRecord(events_[kPost], s);
+        host_post_ = now();
+    }
+    // The download's copy is enqueued (record after it), then waited for: the step ends.
+    void on_download_enqueued(cudaStream_t s) {
+        if (!open_) return;
+        host_download_ = now();
+        cudaEventRecord(events_[kCopied], s);
+    }
+    void on_download_done() {
+        if (!open_) return;
+        open_ = false;
+        if (cudaEventSynchronize(events_[kCopied]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return;
+        }
+        if (launched_) {
+            add(0, us(host_entry_, host_first_launch_));
+            add(1, launch_us_);
+            add(2, us(host_post_, host_download_));
+            add(3, gpu_ms(kEntry, kPre) * 1e3);
+            add(4, gpu_ms(kPre, kPost) * 1e3);
+            add(5, gpu_ms(kPost, kCopied) * 1e3);
+        } else {
+            add(6, gpu_ms(kEntry, kCopied) * 1e3);
+        }
+        launch_us_ = 0;
+    }
+
+private:
+    enum { kEntry, kPre, kPost, kCopied, kEvents };
+    using Clock = std::chrono::steady_clock;
+    static Clock::time_point now() { return Clock::now(); }
+    static double us(Clock::time_point a, Clock::time_point b) {
+        return std::chrono::duration<double, std::micro>(b - a).count();
+    }
+    bool ready() {
+        if (failed_) return false;
+        if (events_[0]) return true;
+        for (cudaEvent_t &e : events_)
+            if (cudaEventCreate(&e) != cudaSuccess) {
+                (void)cudaGetLastError();
+                failed_ = true;
+                return false;
+            }
+        return true;
+    }
+    double gpu_ms(int a, int b) {
+        float ms = 0.f;
+        if (cudaEventElapsedTime(&ms, events_[a], events_[b]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1.0;
+        }
+        return double(ms);
+    }
+    void add(int what, double v) { samples_[what].push_back(v); }
+    void report() {
+        static const char *names[7] = {"host  entry -> launch", "host  launch", "host  launch -> download",
+                                       "gpu   entry -> pre-launch", "gpu   pre-launch -> launched",
+                                       "gpu   launched -> copied", "gpu   entry -> copied (eager steps)"};
+        for (int i = 0; i < 7; ++i) {
+            std::vector<double> &v = samples_[i];
+            if (v.empty()) continue;
+            std::sort(v.begin(), v.end());
+            std::fprintf(stderr, "dflash step timing: %-34s %6zu steps, median %9.2f us, p10 %9.2f, p90 %9.2f\n",
+                         names[i], v.size(), v[v.size() / 2], v[v.size() / 10], v[v.size() * 9 / 10]);
+        }
+    }
+
+    cudaEvent_t events_[kEvents] = {};
+    bool failed_ = false, open_ = false, launched_ = false;
+    Clock::time_point host_entry_, host_first_launch_, host_launch_, host_post_, host_download_;
+    double launch_us_ = 0;
+    std::vector<double> samples_[7];
+};
+
+}  // namespace dflash::cuda
