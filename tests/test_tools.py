@@ -19,6 +19,16 @@ def _bench(tmp_path, *args):
     return json.loads(out.read_text()), proc.stdout
 
 
+def _bench_module():
+    """tools/bench.py imported as a module (its helpers, without running it)."""
+    import importlib
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        return importlib.import_module("bench")
+    finally:
+        sys.path.pop(0)
+
+
 def test_bench_rows_and_projection(tmp_path):
     report, stdout = _bench(tmp_path, "--rows", "propose8b,verify,decode")
     rows = {r["row"]: r for r in report["rows"]}
@@ -69,12 +79,7 @@ def test_bench_variants_reject_a_bad_setting(tmp_path):
 
 def test_bench_variant_values_may_hold_commas():
     """A variant's settings split at a comma only where NAME= follows, so a list value stays whole."""
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import importlib
-        bench = importlib.import_module("bench")
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     assert bench.parse_variant("DFLASH_X=1,8") == ("DFLASH_X=1,8", {"DFLASH_X": "1,8"})
     assert bench.parse_variant("DFLASH_X=1,8, DFLASH_Y=2,DFLASH_Z=a")[1] == {"DFLASH_X": "1,8", "DFLASH_Y": "2",
                                                                            "DFLASH_Z": "a"}
@@ -99,12 +104,7 @@ def test_bench_prefill_and_long_context_rows(tmp_path):
 
 
 def test_prefill_flops_counts_gemms_attention_and_one_lm_head_row():
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import importlib
-        bench = importlib.import_module("bench")
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     base = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                 vocab_size=10)
     # per row and layer: q/k/v 8 x (2 + 2) x 4 = 128, o 2 x 4 x 8 = 64, MLP 3 x 8 x 16 = 384 multiply-adds;
