@@ -8,8 +8,8 @@
 // Each graph is a chain of N kernels captured with programmatic stream serialization (as the library's launches):
 // each kernel lets the next launch at its start and waits for its predecessor, then spins for `us` microseconds
 // of %globaltimer on 132 blocks, or 2 * `us` thousand SM clock cycles (a lower clock after idling would show), or
-// spins in one of 8 distinct kernels taking a 256-byte parameter block (not run yet: session 37 wrote it after its
-// device time), or reads its own 32 MiB slice of a 4 GiB buffer with 16-byte loads (memory-bound, as the GEMMs). Options per row:
+// spins in one of 8 distinct kernels taking a 256-byte parameter block, with and without cudaGraphUpload after
+// instantiation (the library does not upload; not run yet: session 37 wrote these after its device time), or reads its own 32 MiB slice of a 4 GiB buffer with 16-byte loads (memory-bound, as the GEMMs). Options per row:
 // a 4 KB pinned upload before the graph (a step's arguments) and a busy-wait on the host between steps (Python's
 // time between bench.py's steps). Per configuration, medians of 50 steps:
 //   host      the host's wall time of the launch calls alone (cudaGraphLaunch, every piece)
@@ -140,6 +140,8 @@ static void launch_spin(cudaStream_t s, uint64_t ns, int *sink, int blocks) {
     }
 }
 
+static bool g_graph_upload = true;  // cudaGraphUpload after instantiating
+
 static cudaGraphExec_t capture(cudaStream_t s, int n, uint64_t ns, int *sink, int blocks) {
     cudaGraph_t g;
     cudaGraphExec_t exec;
@@ -148,7 +150,7 @@ static cudaGraphExec_t capture(cudaStream_t s, int n, uint64_t ns, int *sink, in
     CHECK(cudaStreamEndCapture(s, &g));
     CHECK(cudaGraphInstantiate(&exec, g, 0));
     CHECK(cudaGraphDestroy(g));
-    CHECK(cudaGraphUpload(exec, s));
+    if (g_graph_upload) CHECK(cudaGraphUpload(exec, s));  // the library does not (cuda_backend.cu end_capture)
     return exec;
 }
 
@@ -233,9 +235,12 @@ int main(int argc, char **argv) {
         Work work = Work::Ns;
         bool upload = false;
         int gap_us = 0;
+        bool graph_upload = true;
     };
     const std::vector<Config> configs = {
         {"one graph, 8 kernels x 256-byte params", 331, 15, {331}, Work::Mixed},
+        {"the same, not cudaGraphUpload-ed (as the library)", 331, 15, {331}, Work::Mixed, false, 0, false},
+        {"the same, upload first, 100 us host gap", 331, 15, {331}, Work::Mixed, true, 100, false},
         {"one graph, 8 kernels x 256-byte params", 57, 15, {57}, Work::Mixed},
         {"one graph, SM-clock spins", 331, 15, {331}, Work::Cycles},
         {"one graph, SM-clock spins, 100 us host gap", 331, 15, {331}, Work::Cycles, false, 100},
@@ -263,6 +268,7 @@ int main(int argc, char **argv) {
         g_upload = c.upload;
         g_host_gap_us = c.gap_us;
         g_next_slice = 0;
+        g_graph_upload = c.graph_upload;
         const Result r = measure(s, c.pieces, c.n, uint64_t(c.us * 1e3), sink, blocks);
         std::printf("| %s | %d | %.0f | %.1f | %.1f | %.1f | %.1f |\n", c.what, c.n, c.us, r.host, r.plain, r.queued,
                     r.plain - r.queued);

@@ -8,6 +8,7 @@
 // the host waits for its own copy, never for the whole device; small uploads go through another (upload()).
 #include <cstdlib>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "../backend.hpp"
@@ -136,6 +137,17 @@ public:
         cudaError_t err = cudaStreamEndCapture(stream_, &graph);
         if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
         if (graph) cudaGraphDestroy(graph);
+        // DFLASH_GRAPH_UPLOAD=1 (read once; an A/B switch, off by default): the graph is uploaded to the device
+        // right after instantiation (its first launch does it otherwise), as tools/graph_launch_bench.cu's graphs
+        // are, to see whether that changes the GPU's idle time at a step's start (session 37, not yet measured).
+        static const bool upload_graphs = [] {
+            const char *v = std::getenv("DFLASH_GRAPH_UPLOAD");
+            return v && *v && std::string(v) != "0";
+        }();
+        if (err == cudaSuccess && upload_graphs) {
+            err = cudaGraphUpload(exec, stream_);
+            if (err != cudaSuccess) cudaGraphExecDestroy(exec);
+        }
         if (err != cudaSuccess) {
             (void)cudaGetLastError();
             return nullptr;
