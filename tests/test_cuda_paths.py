@@ -324,6 +324,19 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
             assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
 
 
+def test_uploaded_graphs_equal_eager_launches():
+    """The graph test again in a process that uploads each recorded graph right after instantiation
+    (DFLASH_GRAPH_UPLOAD=1, an A/B switch): the replays still compute what the eager launches compute."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers the graph test")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = _python_in_a_process({"DFLASH_GRAPH_UPLOAD": "1"}, [
+        "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+        "-k", "graph_replays_equal_eager_launches", os.path.join(here, "test_cuda_paths.py")])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout, run.stdout[-500:]
+
+
 def test_step_timing_reports_each_span(make_pair):
     """DFLASH_STEP_TIMING=1 (a diagnostic) prints, when the target is freed, the medians of a graphed step's host and
     GPU spans: a few decode steps replay the graph, so every span is there and the graph's span is positive."""
