@@ -12,7 +12,8 @@
 //   gpu   entry -> pre-launch    GPU time between the marks: the upload copies, and any time the GPU waited for the
 //                                host (an idle GPU stamps an event when the host records it)
 //   gpu   pre-launch -> launched the graph's span: its start latency on the GPU and its kernels
-//   gpu   launched -> copied     the download's copy
+//   gpu   launched -> copied     what runs after the graph and the download's copy (a target step launches its
+//                                lm_head, argmax and acceptance kernels eagerly after its graph: about 0.4 ms at 8B)
 // Steps without a graph (eager launches) print only their entry -> copied span. Nothing is recorded when the
 // switch is off.
 #pragma once
