@@ -205,15 +205,20 @@ def _python_in_a_process(env_overrides, args):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def _lossless_in_a_process(env_overrides):
-    """The long-prompt lossless cases and the large-capacity one (4 tests) in a process of their own."""
+def _tests_in_a_process(env_overrides, selection, passed):
+    """This file's GPU tests matching `selection` (pytest -k) in a process of their own; `passed` must pass."""
     here = os.path.dirname(os.path.abspath(__file__))
     run = _python_in_a_process(env_overrides, [
         "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-        "-k", "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity",
-        os.path.join(here, "test_cuda_paths.py")])
+        "-k", selection, os.path.join(here, "test_cuda_paths.py")])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "4 passed" in run.stdout, run.stdout[-500:]
+    assert f"{passed} passed" in run.stdout, run.stdout[-500:]
+
+
+def _lossless_in_a_process(env_overrides):
+    """The long-prompt lossless cases and the large-capacity one (4 tests) in a process of their own."""
+    _tests_in_a_process(env_overrides, "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity",
+                        4)
 
 
 def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
@@ -329,12 +334,7 @@ def test_uploaded_graphs_equal_eager_launches():
     (DFLASH_GRAPH_UPLOAD=1, an A/B switch): the replays still compute what the eager launches compute."""
     if SHARED_GPU:
         pytest.skip("numeric only; the sanitizer stage covers the graph test")
-    here = os.path.dirname(os.path.abspath(__file__))
-    run = _python_in_a_process({"DFLASH_GRAPH_UPLOAD": "1"}, [
-        "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-        "-k", "graph_replays_equal_eager_launches", os.path.join(here, "test_cuda_paths.py")])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "1 passed" in run.stdout, run.stdout[-500:]
+    _tests_in_a_process({"DFLASH_GRAPH_UPLOAD": "1"}, "graph_replays_equal_eager_launches", 1)
 
 
 def test_step_timing_reports_each_span(make_pair):

@@ -279,6 +279,13 @@ inline bool env_switch_on(const char *name) {
     return !(v && v[0] == '0');
 }
 
+// An opt-in switch of the environment (a diagnostic or an A/B switch, off by default): on where the variable is set
+// to something other than empty or a value starting with "0", env_switch_on's off. Callers read it once too.
+inline bool env_opt_in(const char *name) {
+    const char *v = std::getenv(name);
+    return v && v[0] && v[0] != '0';
+}
+
 // A whole-number setting of the environment: `fallback` where unset or empty, the number where it is one in
 // [lo, hi], else not ok. Callers read it once (a function-local static) and pass it through env_value at every
 // call, so a bad value fails every call, with DFLASH_STATUS_INVALID_ARGUMENT naming the variable and `what`.

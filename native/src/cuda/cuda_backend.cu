@@ -8,7 +8,6 @@
 // the host waits for its own copy, never for the whole device; small uploads go through another (upload()).
 #include <cstdlib>
 #include <cstdio>
-#include <string>
 #include <vector>
 
 #include "../backend.hpp"
@@ -140,10 +139,7 @@ public:
         // DFLASH_GRAPH_UPLOAD=1 (read once; an A/B switch, off by default): the graph is uploaded to the device
         // right after instantiation (its first launch does it otherwise), as tools/graph_launch_bench.cu's graphs
         // are, to see whether that changes the GPU's idle time at a step's start (session 37, not yet measured).
-        static const bool upload_graphs = [] {
-            const char *v = std::getenv("DFLASH_GRAPH_UPLOAD");
-            return v && *v && std::string(v) != "0";
-        }();
+        static const bool upload_graphs = env_opt_in("DFLASH_GRAPH_UPLOAD");
         if (err == cudaSuccess && upload_graphs) {
             err = cudaGraphUpload(exec, stream_);
             if (err != cudaSuccess) cudaGraphExecDestroy(exec);

@@ -21,21 +21,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "common.cuh"
 
 namespace dflash::cuda {
 
 class StepTimer {
 public:
     static bool enabled() {
-        static const bool on = [] {
-            const char *v = std::getenv("DFLASH_STEP_TIMING");
-            return v && *v && std::string(v) != "0";
-        }();
+        static const bool on = env_opt_in("DFLASH_STEP_TIMING");
         return on;
     }
 
