@@ -136,14 +136,6 @@ public:
         cudaError_t err = cudaStreamEndCapture(stream_, &graph);
         if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
         if (graph) cudaGraphDestroy(graph);
-        // DFLASH_GRAPH_UPLOAD=1 (read once; an A/B switch, off by default): the graph is uploaded to the device
-        // right after instantiation (its first launch does it otherwise), as tools/graph_launch_bench.cu's graphs
-        // are, to see whether that changes the GPU's idle time at a step's start (session 37, not yet measured).
-        static const bool upload_graphs = env_opt_in("DFLASH_GRAPH_UPLOAD");
-        if (err == cudaSuccess && upload_graphs) {
-            err = cudaGraphUpload(exec, stream_);
-            if (err != cudaSuccess) cudaGraphExecDestroy(exec);
-        }
         if (err != cudaSuccess) {
             (void)cudaGetLastError();
             return nullptr;
@@ -412,6 +404,8 @@ private:
                      " bytes while a graph is recorded (the eager warm-up should have sized it)");
             buffer.reset();  // cudaFree waits for kernels still using it
             buffer = DeviceBuffer(this, bytes);
+            // Zeroed: the attention's block counters (attention.cu, CombineSync) start at zero and stay so.
+            DFLASH_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0, bytes, stream_));
             ++scratch_epoch_;
         }
         return buffer.get();
