@@ -329,17 +329,6 @@ def test_graph_replays_equal_eager_launches(make_pair, monkeypatch):
             assert a == b, f"case {case}, record {i}: graph replay differs from eager launches"
 
 
-def test_fused_combine_is_lossless_and_replays_as_eager():
-    """The lossless cases and the graph test again in a process whose key-quarter attention merges its splits
-    itself (DFLASH_ATTN_FUSED_COMBINE=1: the blocks of a kv head wait for each other, then each merges a share):
-    a verified row still equals the row decoded alone, and replays equal eager launches."""
-    if SHARED_GPU:
-        pytest.skip("numeric only; the sanitizer stage runs the default path")
-    _tests_in_a_process({"DFLASH_ATTN_FUSED_COMBINE": "1"},
-                        "speculative_equals_cuda_autoregressive and prompt_lengths2 or large_capacity "
-                        "or graph_replays_equal_eager_launches", 5)
-
-
 def test_step_timing_reports_each_span(make_pair):
     """DFLASH_STEP_TIMING=1 (a diagnostic) prints, when the target is freed, the medians of a graphed step's host and
     GPU spans: a few decode steps replay the graph, so every span is there and the graph's span is positive."""

@@ -805,83 +805,11 @@ __host__ __device__ constexpr size_t tq_smem_bytes() {
     return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
 }
 
-// The combine inside the key-quarter kernel (DFLASH_ATTN_FUSED_COMBINE; fused_combine() below says when): the
-// blocks of one (kv head, query tile) wait for each other after writing their partials (a grid that fits the GPU in
-// one wave, so every block is resident or will be), then each merges its share of the tile's outputs exactly as
-// attention_combine_kernel does (the splits in split order, the same weights and sums), and no combine kernel runs.
-// counters: per (kv head, query tile) an arrival count and a generation, zero before the first call and left zero
-// by each (the last block to arrive resets the count, then advances the generation the others wait on).
-struct CombineSync {
-    unsigned long long *counters;  // nullptr: the combine kernel merges
-    bf16 *out;
-};
-constexpr int kMaxSyncGroups = 256;  // (kv head, query tile) pairs a fused call may have
-constexpr size_t kSyncBytes = kMaxSyncGroups * 2 * sizeof(unsigned long long);  // at the scratch's start
-
-__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Every block of this (kv head, query tile), its partials written, merges items [split * per, ...) of the tile's
-// tile_vecs x HD / 4 float4 outputs. Partials are read through L2 (__ldcg): other blocks wrote them.
-template <int HD, int kThreads>
-__device__ void combine_in_grid(const CombineSync &sync, const float *out_part, const Split *ml_part, int nq,
-                                int n_heads, int kv_head, const GroupOf &gof, int vec_base, int tile_vecs,
-                                int64_t key_end) {
-    __syncthreads();  // the block's partials are stored
-    if (threadIdx.x == 0) {
-        unsigned long long *count = sync.counters + 2 * (size_t(blockIdx.z) * gridDim.x + blockIdx.x);
-        unsigned long long *gen = count + 1;
-        const unsigned long long g0 = ld_acquire_u64(gen);
-        __threadfence();  // the partials before the arrival
-        if (atomicAdd(count, 1ull) == gridDim.y - 1) {
-            *count = 0;
-            __threadfence();
-            atomicAdd(gen, 1ull);
-        } else {
-            while (ld_acquire_u64(gen) == g0) __nanosleep(32);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-    constexpr int kQuads = HD / 4;
-    const int splits = int(min(int64_t(gridDim.y), (key_end + kTcKeys - 1) / kTcKeys));
-    const int items = tile_vecs * kQuads, per = (items + int(gridDim.y) - 1) / int(gridDim.y);
-    const int begin = int(blockIdx.y) * per, end = min(items, begin + per);
-    const int64_t stride = int64_t(nq) * n_heads;
-    for (int it = begin + int(threadIdx.x); it < end; it += kThreads) {
-        const int vl = it / kQuads, d = (it % kQuads) * 4, v = vec_base + vl;
-        const int64_t idx = int64_t(gof.row(v)) * n_heads + kv_head * gof.group + gof.sub(v);
-        float best = -INFINITY;
-        for (int sp = 0; sp < splits; ++sp) best = fmaxf(best, __ldcg(&ml_part[sp * stride + idx].m));
-        float total = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int sp = 0; sp < splits; ++sp) {
-            const float m = __ldcg(&ml_part[sp * stride + idx].m), l = __ldcg(&ml_part[sp * stride + idx].l);
-            const float w = m == -INFINITY ? 0.f : __expf(m - best);
-            total = fmaf(l, w, total);
-            const float4 x = __ldcg(reinterpret_cast<const float4 *>(out_part + (sp * stride + idx) * HD + d));
-            acc.x = fmaf(x.x, w, acc.x);
-            acc.y = fmaf(x.y, w, acc.y);
-            acc.z = fmaf(x.z, w, acc.z);
-            acc.w = fmaf(x.w, w, acc.w);
-        }
-        bf16 *o = sync.out + idx * HD + d;
-        o[0] = to_bf16(total > 0.f ? acc.x / total : 0.f);
-        o[1] = to_bf16(total > 0.f ? acc.y / total : 0.f);
-        o[2] = to_bf16(total > 0.f ? acc.z / total : 0.f);
-        o[3] = to_bf16(total > 0.f ? acc.w / total : 0.f);
-    }
-}
-
 template <int HD, int MT>
 __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part, CombineSync sync) {
+                     PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
     const bool early = tc_entry(keys);
@@ -908,11 +836,6 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const int64_t key_end = key_count(keys);
     if (int64_t(split) * kTcKeys >= key_end) {
         DFLASH_PROBE(g_probe_attention, 5);
-        if (sync.counters) {  // no partials of its own, but its share of the merge (after the wait: out is read
-            pdl_wait();       // by earlier kernels)
-            combine_in_grid<HD, kThreads>(sync, out_part, ml_part, nq, n_heads, kv_head, gof, vec_base, tile_vecs,
-                                          key_end);
-        }
         return;
     }
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
@@ -1066,9 +989,6 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
         if (d == 0) ml_part[idx] = Split{best, lsum};
     }
-    if (sync.counters)
-        combine_in_grid<HD, kThreads>(sync, out_part, ml_part, nq, n_heads, kv_head, gof, vec_base, tile_vecs,
-                                      key_end);
     DFLASH_PROBE(g_probe_attention, 4);
 }
 
@@ -1207,15 +1127,6 @@ int64_t split_rows(int64_t nq, const PagedKeys &keys) {
     return keys.uniform_rows > 0 && nq <= keys.uniform_rows ? keys.uniform_rows : nq;
 }
 
-// DFLASH_ATTN_FUSED_COMBINE=1 (read once; an A/B switch, off by default): the key-quarter kernel merges the splits
-// itself (combine_in_grid) where its grid fits the GPU in one wave (one block per SM at most: its blocks wait for
-// each other, so each must be resident or become so; a prefill chunk's grid does not fit and keeps the combine
-// kernel) and has at most kMaxSyncGroups (kv head, query tile) pairs.
-bool fused_combine(const dim3 &grid) {
-    static const bool on = env_opt_in("DFLASH_ATTN_FUSED_COMBINE");
-    return on && int64_t(grid.x) * grid.y * grid.z <= sm_count() && int64_t(grid.x) * grid.z <= kMaxSyncGroups;
-}
-
 // The tensor-core path: 64 query vectors per block, chunks of 64 keys.
 bool use_tc(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
@@ -1324,7 +1235,7 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     // scratch (which would make every recorded graph stale).
     const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
-    return kSyncBytes + parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
+    return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
@@ -1344,8 +1255,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     const bool tc = use_tc(head_dim);
     const Plan p = plan_for(nq, n_heads, n_kv_heads, head_dim, keys);  // splits <= kMaxSplits (grid_splits)
     const size_t parts = size_t(p.splits) * size_t(nq) * size_t(n_heads);
-    auto *counters = static_cast<unsigned long long *>(scratch);  // kSyncBytes (CombineSync)
-    float *out_part = reinterpret_cast<float *>(static_cast<unsigned char *>(scratch) + kSyncBytes);
+    float *out_part = static_cast<float *>(scratch);
     // Split records after the partial outputs, 8-byte aligned.
     auto *ml_part = reinterpret_cast<Split *>(
         (reinterpret_cast<uintptr_t>(out_part + parts * size_t(head_dim)) + 7) & ~uintptr_t(7));
@@ -1359,16 +1269,10 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
-        const bool fused = fused_combine(grid);
-        const CombineSync sync{fused ? counters : nullptr, out};
         auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            auto go_q = [&](auto kernel, int threads, size_t smem) {
-                launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads),
-                       scale, mask.causal, mask.window, keys, out_part, ml_part, sync);
-            };
-            if (mt <= 1) go_q(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) go_q(k2, 2 * kTqQuarters * 32, b2);
-            else go_q(k4, 4 * kTqQuarters * 32, b4);
+            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
+            else go(k4, 4 * kTqQuarters * 32, b4);
         };
         if (head_dim == 128)
             pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
@@ -1376,7 +1280,6 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         else
             pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
                  tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
-        if (fused) return;  // the kernel merged the splits itself
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());

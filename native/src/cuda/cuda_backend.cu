@@ -404,8 +404,6 @@ private:
                      " bytes while a graph is recorded (the eager warm-up should have sized it)");
             buffer.reset();  // cudaFree waits for kernels still using it
             buffer = DeviceBuffer(this, bytes);
-            // Zeroed: the attention's block counters (attention.cu, CombineSync) start at zero and stay so.
-            DFLASH_CUDA_CHECK(cudaMemsetAsync(buffer.get(), 0, bytes, stream_));
             ++scratch_epoch_;
         }
         return buffer.get();

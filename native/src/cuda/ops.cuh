@@ -106,8 +106,7 @@ void logits_argmax(const bf16 *x, int64_t M, const bf16 *w, bool w_tiled, int64_
 bool tiled_gemm_supported();
 void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t s);
 
-// attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes, zeroed before its first
-// call (its first bytes hold block counters that every call leaves zero).
+// attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys);
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
