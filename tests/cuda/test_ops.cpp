@@ -973,7 +973,8 @@ void test_gemm() {
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first, false);
             one(m, nk.n, nk.k, pad_x, pad_y, slice_first ? kTileRows : 0, true);
         }
-    if (g_opt.level >= QUICK)  // tiled: 768 column blocks, a persistent launch of 3 per block on an H200 (DFLASH_GEMM_PERSIST=3)
+    // tiled: 768 column blocks, a persistent launch of 3 per block on an H200 (under DFLASH_GEMM_PERSIST=3)
+    if (g_opt.level >= QUICK)
         for (int64_t m : {int64_t(1), int64_t(16), int64_t(17)}) one(m, 12288, 1024, 0, m == 17 ? 8 : 0, 0, true);
     if (g_opt.level >= DEFAULT) {  // prefill-sized M
         one(300, 512, 512, 0, 0, 0, false);
@@ -1084,8 +1085,8 @@ void test_gemm_swiglu() {
 // Norms folded into GEMMs (GemmFuse, Backend::folds_norms) against the host's: the GEMM that norms its rows
 // (x unnormed, at residual-stream scale), the one that accumulates into y (the residual add), both, and the
 // fused SwiGLU that norms; row-major and tiled weights, one and several row tiles, the persistent launch
-// (12288 x 1024 tiled, under DFLASH_GEMM_PERSIST=3), slices of one k chunk (K = 136: 3 chunks, the last partial). Then the ops' fallbacks,
-// which the cuda backend composes from its unfused kernels: prefill rows (the wide GEMM, M = 100) and x the
+// (12288 x 1024 tiled, under DFLASH_GEMM_PERSIST=3), slices of one k chunk (K = 136: 3 chunks, the last
+// partial). Then the ops' fallbacks, which the cuda backend composes from its unfused kernels: prefill rows (the wide GEMM, M = 100) and x the
 // ring-fed kernel cannot stream (K % 8 != 0, row-major). Then fold_norm itself (bf16-rounded products).
 void test_gemm_fused() {
     Group g("gemm_fused");

@@ -1,6 +1,6 @@
 // step_timing.cuh: DFLASH_STEP_TIMING=1 (read once), a diagnostic of where a step's time goes between the host and
-// the GPU (docs/speed-log.md, session 37: bench.py --timeline finds the GPU idle for 166-178 us at the start of a
-// verify or decode and 63 us of a 4B propose, which the graph launch alone does not explain).
+// the GPU (docs/speed-log.md: written for session 37's idle GPU at a step's start; session 38 found verify's host
+// path under 10 us and the graph plus the eager tail the whole step, and that idle time did not reproduce).
 //
 // A step, as the cuda backend sees it, runs from the first upload after a download (its arguments) to the next
 // download (its result). The timer records GPU events with timing at the step's first upload (entry), before the
@@ -93,6 +93,7 @@ public:
 
 private:
     enum { kEntry, kPre, kPost, kCopied, kEvents };
+    static constexpr int kSpans = 7;  // the report's rows (report()'s names)
     using Clock = std::chrono::steady_clock;
     static Clock::time_point now() { return Clock::now(); }
     static double us(Clock::time_point a, Clock::time_point b) {
@@ -119,10 +120,10 @@ private:
     }
     void add(int what, double v) { samples_[what].push_back(v); }
     void report() {
-        static const char *names[7] = {"host  entry -> launch", "host  launch", "host  launch -> download",
+        static const char *names[kSpans] = {"host  entry -> launch", "host  launch", "host  launch -> download",
                                        "gpu   entry -> pre-launch", "gpu   pre-launch -> launched",
                                        "gpu   launched -> copied", "gpu   entry -> copied (eager steps)"};
-        for (int i = 0; i < 7; ++i) {
+        for (int i = 0; i < kSpans; ++i) {
             std::vector<double> &v = samples_[i];
             if (v.empty()) continue;
             std::sort(v.begin(), v.end());
@@ -135,7 +136,7 @@ private:
     bool failed_ = false, open_ = false, launched_ = false;
     Clock::time_point host_entry_, host_first_launch_, host_launch_, host_post_, host_download_;
     double launch_us_ = 0;
-    std::vector<double> samples_[7];
+    std::vector<double> samples_[kSpans];
 };
 
 }  // namespace dflash::cuda
