@@ -260,6 +260,29 @@ public:
         head_norm_rope(kv, rows, kv_heads, head_dim, ldkv, k_norm, eps, positions, inv_freq, attention_factor);
         kv_write(kv, v, rows, ldkv, slots, kv_width, k_cache, v_cache);
     }
+    // qkv_norm_rope_write on the call's `rows` rows, then attention of their q over keys whose last `rows` are
+    // those rows' (the caches are keys.k_cache / v_cache). The default composes the two; a backend may fold the
+    // norm, the rotation and the cache writes into its attention (the same values in the caches and out). q and kv
+    // are left normed and rotated or as they were: callers read neither again.
+    struct RopeArgs {
+        void *q;
+        int64_t ldq;
+        void *kv;  // k heads, then v heads
+        int64_t ldkv;
+        const WeightView *q_norm, *k_norm;
+        float eps;
+        const int32_t *positions;  // the rows' (queries' and keys')
+        const float *inv_freq;
+        float attention_factor;
+        const int32_t *slots;
+    };
+    virtual void rope_attention(const RopeArgs &r, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                float scale, AttentionMask mask, const PagedKeys &keys, void *out) {
+        qkv_norm_rope_write(r.q, r.ldq, r.kv, r.ldkv, rows, heads, kv_heads, head_dim, r.q_norm, r.k_norm, r.eps,
+                            r.positions, r.inv_freq, r.attention_factor, r.slots, const_cast<void *>(keys.k_cache),
+                            const_cast<void *>(keys.v_cache));
+        attention(r.q, r.ldq, rows, r.positions, heads, kv_heads, head_dim, scale, mask, keys, out);
+    }
     // qkv_norm_rope_write's kv part (heads = 0) for `layers` layers of the same rows at once: layer l's
     // [k | v] start at column l * layer_ld of kv (the drafter's context K/V, every layer in one GEMM row), its
     // k norm is k_norms[l] (or none: k_norms null), its caches k_caches[l] / v_caches[l]. The same values as

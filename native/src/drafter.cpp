@@ -522,14 +522,12 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                 backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
                 backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
             }
-            backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
-                                          &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(), rope_.attention_factor,
-                                          d_slots, k_cache_[l].get(), v_cache_[l].get());
             keys.k_cache = k_cache_[l].get();
             keys.v_cache = v_cache_[l].get();
-            AttentionMask mask{layer.causal, layer.window};
-            backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)), mask,
-                                keys, attn_.get());
+            const Backend::RopeArgs rope{q_.get(), ldq, kv, ldkv, &layer.q_norm, &layer.k_norm, eps, d_q_pos,
+                                         inv_freq_.as<float>(), rope_.attention_factor, d_slots};
+            backend_->rope_attention(rope, width, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                                     AttentionMask{layer.causal, layer.window}, keys, attn_.get());
             const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
             if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
                 // o_proj's sums of squares only where gate/up reads them (Backend::reads_norm_stats).

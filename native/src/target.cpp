@@ -281,15 +281,13 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
                            GemmFuse{folded_ ? eps : 0.f, false, l > 0 ? ss_qkv : nullptr, nullptr});
-            backend_->qkv_norm_rope_write(qkv_.get(), ldq, act(qkv_, q_width_), ldq, n, nh, nkv, hd,
-                                          qk_norm ? &layer.q_norm : nullptr,
-                                          qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
-                                          rope_.attention_factor, d_slots, k_cache_[size_t(l)].get(),
-                                          v_cache_[size_t(l)].get());
             keys.k_cache = k_cache_[size_t(l)].get();
             keys.v_cache = v_cache_[size_t(l)].get();
-            backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
-                                AttentionMask{true, 0}, keys, attn_.get());
+            const Backend::RopeArgs rope{qkv_.get(), ldq, act(qkv_, q_width_), ldq, qk_norm ? &layer.q_norm : nullptr,
+                                         qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
+                                         rope_.attention_factor, d_slots};
+            backend_->rope_attention(rope, n, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
+                                     attn_.get());
             const bool last = l + 1 == p_.num_layers;
             if (folded_) {
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, to_mlp);

@@ -1619,6 +1619,76 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
           });
 }
 
+// Backend::rope_attention: the attention inputs' step (qkv_norm_rope_write) and the attention in one call, the
+// call's rows the last keys (cuda folds the first into its attention kernel where one query tile holds the rows,
+// RopeFold). Against the host's composition: out and the rows' cache slots close. cuda's result against cuda's own
+// composition (the base class's rope_attention, called qualified): out and both caches equal bit for bit. The
+// rows' slots start NaN, so a kernel that stages them from the cache instead of computing them fails.
+void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
+    g.run(cat("rope_attention: ", attn_desc(s, " ring-wrap"), norm ? "" : " no norm"), [&](Case &c) {
+        PagedSetup p = make_paged(s, c.rng);
+        const int64_t bs = DFLASH_KV_BLOCK_SIZE, n_heads = s.ratio * s.n_kv, hd = s.head_dim;
+        const int64_t q_width = n_heads * hd, kv_width = s.n_kv * hd, ld = q_width + 2 * kv_width;
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::vector<int32_t> slots;  // the rows' (the last nq keys')
+        for (int64_t r = 0; r < s.nq; ++r) {
+            const int64_t ring = (p.first_key + s.num_keys - s.nq + r) % p.ring_slots;
+            const int64_t slot = int64_t(p.block_table[size_t(ring / bs)]) * bs + ring % bs;
+            slots.push_back(int32_t(slot));
+            for (int64_t e = 0; e < kv_width; ++e) p.k[size_t(slot * kv_width + e)] = p.v[size_t(slot * kv_width + e)] = nan;
+        }
+        const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.nq * ld), 1.5f);
+        std::vector<float> wq(static_cast<size_t>(hd)), wk(static_cast<size_t>(hd));
+        for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
+        for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
+        const std::vector<float> inv_freq = rope_inv_freq(hd, 1e6f);
+        const size_t out_count = size_t(s.nq * q_width), cache = p.k.size();
+        struct Result {
+            std::vector<uint8_t> out, k, v;
+        };
+        auto run = [&](Backend &be, bool composed) {
+            const PagedBuffers bufs(be, p);
+            Weight w_q = upload_weight(be, wq, 1, hd), w_k = upload_weight(be, wk, 1, hd);
+            DeviceBuffer x = upload_act(be, qkv), f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
+            const std::vector<int32_t> count = {int32_t(s.num_keys), int32_t(s.fresh)};
+            DeviceBuffer count_dev = upload_vec(be, count);
+            DeviceBuffer out = poisoned(be, out_count * act_size(be));
+            const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
+            const PagedKeys keys = bufs.keys(p, s.num_keys, count_ptr, s.uniform_rows, s.fresh,
+                                             count_ptr ? count_ptr + 1 : nullptr);
+            void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
+            const Backend::RopeArgs args{x.get(), ld, kv, ld, norm ? &w_q.view : nullptr, norm ? &w_k.view : nullptr,
+                                         1e-6f, bufs.qpos.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>()};
+            const float scale = 1.f / std::sqrt(float(hd));
+            if (composed)
+                be.Backend::rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
+            else
+                be.rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
+            sync(be);
+            return Result{download_bytes(be, out.get(), out_count * act_size(be)),
+                          download_bytes(be, bufs.k.get(), cache * act_size(be)),
+                          download_bytes(be, bufs.v.get(), cache * act_size(be))};
+        };
+        const Result host = run(*H, false), got = run(*C, false), composed = run(*C, true);
+        c.close("out", decode(C->act_dtype(), got.out), decode(H->act_dtype(), host.out), kTolBf16);
+        std::vector<float> rows_c, rows_h;  // the rows' k and v slots
+        for (const Result *r : {&got, &host}) {
+            const Backend &be = r == &got ? *C : *H;
+            const std::vector<float> k = decode(be.act_dtype(), r->k), v = decode(be.act_dtype(), r->v);
+            std::vector<float> &dst = r == &got ? rows_c : rows_h;
+            for (int32_t sl : slots)
+                for (int64_t e = 0; e < kv_width; ++e) {
+                    dst.push_back(k[size_t(sl * kv_width + e)]);
+                    dst.push_back(v[size_t(sl * kv_width + e)]);
+                }
+        }
+        c.close("the rows' k and v cache slots", rows_c, rows_h, kTolBf16);
+        c.equal("out, cuda vs cuda's composition", got.out, composed.out);
+        c.equal("k_cache, cuda vs cuda's composition", got.k, composed.k);
+        c.equal("v_cache, cuda vs cuda's composition", got.v, composed.v);
+    });
+}
+
 void test_attention() {
     Group g("attention");
     if (!g.enabled()) return;
@@ -1693,6 +1763,17 @@ void test_attention() {
     run_attention_rows_agree_case(g, {3, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
     run_attention_rows_agree_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 0});  // fresh: the rows
     if (g_opt.level >= DEFAULT) run_attention_rows_agree_case(g, {16, 4, 8, 128, 20000, MASK_CAUSAL, true, 32768});
+    // rope_attention: a verify step and a decode step (the counts on the device), a propose (pending context rows
+    // fresh in the cache before the block's own), head_dim 64 wrapped and windowed without norms, the rows' keys
+    // across two chunks without a fresh count, every key the rows' own, and rows over several query tiles (cuda
+    // composes).
+    run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
+    run_rope_attention_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1}, true);
+    run_rope_attention_case(g, {16, 4, 8, 128, 1031, MASK_NONE, false, 0, 16, 23}, true);
+    run_rope_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, true, 0, 16, 7}, false);
+    run_rope_attention_case(g, {16, 4, 2, 128, 70, MASK_CAUSAL, false}, true);
+    run_rope_attention_case(g, {16, 4, 2, 128, 16, MASK_NONE, false, 0, 16, 16}, true);
+    run_rope_attention_case(g, {33, 4, 2, 64, 300, MASK_CAUSAL, false, 0, 64, 33}, false);
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops.cuh"
+#include "rope_head.cuh"
 
 namespace dflash {
 namespace cuda {
@@ -253,6 +254,7 @@ struct ChunkStager {
     const PagedKeys &keys;
     const bf16 *kc, *vc;  // this kv head's first element in the caches
     int64_t kv_width, first0, stride, key_end;
+    int64_t own_begin;  // keys [own_begin, key_end) are the call's own rows' (RopeFold: staged by stage_own)
     int n_chunks;
     int64_t *slot_s;
     int32_t pend_block = -1, pend_pos = 0;
@@ -261,7 +263,7 @@ struct ChunkStager {
     __device__ ChunkStager(const PagedKeys &k, int kv_head, int n_kv_heads, int split, int64_t end, int64_t *slots)
         : keys(k), kc(static_cast<const bf16 *>(k.k_cache) + int64_t(kv_head) * HD),
           vc(static_cast<const bf16 *>(k.v_cache) + int64_t(kv_head) * HD), kv_width(int64_t(n_kv_heads) * HD),
-          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end),
+          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end), own_begin(end),
           n_chunks(int((end - int64_t(split) * kTcKeys + stride - 1) / stride)), slot_s(slots) {}
     __device__ int n_keys_of(int c) const { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); }
     __device__ void load_keys(int c) {
@@ -305,6 +307,7 @@ struct ChunkStager {
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
+            if (first + j >= own_begin && first + j < key_end) continue;  // stage_own's
             const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
@@ -790,9 +793,16 @@ constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
 
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
+// RopeFold's tables after the Q tile: each query row's rotations (cos, sin of its pairs) and the q and k norms'
+// weights, as floats.
+template <int HD, int MT>
+__host__ __device__ constexpr size_t tq_fold_bytes() {
+    return size_t(16 * MT) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(float);
+}
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_loop_bytes() {
-    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
+    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16) +
+           tq_fold_bytes<HD, MT>();
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -805,14 +815,101 @@ __host__ __device__ constexpr size_t tq_smem_bytes() {
     return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
 }
 
+// RopeFold (ops.cuh), the kernel's side. Before the wait: every row's rotations (row r: the call's query row r,
+// whose key is the call's own key r) and the norms' weights into shared memory, as rope.cu's lane_rope computes
+// them (the positions came with the step's upload; inv_freq and the weights are the model's).
+template <int HD, int kThreads>
+__device__ __forceinline__ void fold_tables(const RopeFold &f, const int32_t *q_positions, int nq, float2 *rot_s,
+                                            float *wn_s) {
+    constexpr int kHalf = HD / 2;
+    for (int i = threadIdx.x; i < nq * kHalf; i += kThreads) {
+        float sn, cs;
+        sincosf(float(q_positions[i / kHalf]) * f.inv_freq[i % kHalf], &sn, &cs);
+        rot_s[i] = make_float2(cs * f.attention_factor, sn * f.attention_factor);
+    }
+    for (int i = threadIdx.x; i < 2 * HD; i += kThreads) {
+        const bf16 *w = i < HD ? f.q_norm : f.k_norm;
+        wn_s[i] = w ? to_float(w[i % HD]) : 0.f;
+    }
+}
+
+// One raw head at src normed and rotated (norm_rope_pairs, this warp) with row r's rotations and weights w
+// ([HD]: the q or the k norm's) into dst and, when not null, copy.
+template <int HD>
+__device__ __forceinline__ void fold_head(const bf16 *src, int r, bool norm, float eps, const float2 *rot_s,
+                                          const float *w, bf16 *dst, bf16 *copy, int lane) {
+    constexpr int kHalf = HD / 2, P = HD / 64;
+    float cs[P], sn[P], wa[P], wb[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int j = lane + 32 * i;
+        const float2 rot = rot_s[r * kHalf + j];
+        cs[i] = rot.x;
+        sn[i] = rot.y;
+        wa[i] = w[j];
+        wb[i] = w[j + kHalf];
+    }
+    norm_rope_pairs<P>(src, HD, norm, eps, cs, sn, wa, wb, dst, copy, lane);
+}
+
+// The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp.
+template <int HD, int kThreads>
+__device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof,
+                                               int kv_head, int vec_base, int tile_vecs, int m_tiles,
+                                               const RopeFold &f, const float2 *rot_s, const float *wq_s) {
+    constexpr int kStride = HD + kTcPad;
+    const int lane = threadIdx.x & 31;
+    for (int vl = threadIdx.x >> 5; vl < m_tiles * 16; vl += kThreads / 32) {
+        bf16 *dst = q_s + vl * kStride;
+        if (vl >= tile_vecs) {
+            for (int d = lane; d < HD; d += 32) dst[d] = to_bf16(0.f);
+            continue;
+        }
+        const int v = vec_base + vl, row = gof.row(v);
+        fold_head<HD>(q + int64_t(row) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD, row,
+                      f.q_norm != nullptr, f.eps, rot_s, wq_s, dst, nullptr, lane);
+    }
+}
+
+// Chunk c's own keys (those in [own_begin, key_end)) into its stage, after the wait: one warp per (key, k or v),
+// the k head normed and rotated, the v head copied, each also into its cache slot (rope.cu's
+// qkv_norm_rope_write_kernel writes the same values there).
+template <int HD, int kThreads>
+__device__ __forceinline__ void stage_own(const ChunkStager<HD, kThreads> &cs, const RopeFold &f, int kv_head, int c,
+                                          bf16 *ks, bf16 *vs, const float2 *rot_s, const float *wk_s) {
+    constexpr int kStride = HD + kTcPad;
+    const int64_t first = cs.first0 + c * cs.stride;
+    const int64_t lo = max(first, cs.own_begin), hi = min(first + kTcKeys, cs.key_end);
+    const int lane = threadIdx.x & 31;
+    for (int it = threadIdx.x >> 5; it < 2 * int(hi - lo); it += kThreads / 32) {
+        const int64_t key = lo + it / 2;
+        const int j = int(key - first), r = int(key - cs.own_begin);
+        const int64_t slot = f.slots[r];
+        const bool is_v = it & 1;
+        const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
+        bf16 *copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
+        if (!is_v) {
+            fold_head<HD>(src, r, f.k_norm != nullptr, f.eps, rot_s, wk_s, ks + j * kStride, copy, lane);
+            continue;
+        }
+        bf16 vals[HD / 32];
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) vals[i] = src[lane + 32 * i];
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) {
+            vs[j * kStride + lane + 32 * i] = vals[i];
+            if (copy) copy[lane + 32 * i] = vals[i];
+        }
+    }
+}
+
 template <int HD, int MT>
 __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part) {
+                     PagedKeys keys, float *out_part, Split *ml_part, RopeFold fold) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
-    const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;      // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
@@ -820,6 +917,11 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const TcStages<HD> sm{tc_smem};
     int64_t *slot_s = sm.slots(S);
     bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
+    float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
+    float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
+    const bool folded = fold.kv != nullptr;
+    if (folded) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
+    const bool early = tc_entry(keys);
 
     const int group = n_heads / n_kv_heads;
     const GroupOf gof(group);
@@ -839,9 +941,15 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         return;
     }
     ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    if (folded) cs.own_begin = key_end - nq;
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
-    stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
+    if (folded) {
+        stage_own<HD, kThreads>(cs, fold, kv_head, 0, sm.k(0), sm.v(0), rot_s, wn_s + HD);
+        stage_q_folded<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
+    } else {
+        stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
+    }
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
     int32_t qpos[2];
@@ -872,6 +980,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             cs.load_keys(c + 1);
             __syncthreads();  // slot_s written
             cs.stage_kv(sm.k(st), sm.v(st), c);
+            if (folded) stage_own<HD, kThreads>(cs, fold, kv_head, c, sm.k(st), sm.v(st), rot_s, wn_s + HD);
         }
         cp_async_commit();
         if (!busy) continue;
@@ -1238,9 +1347,19 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
+// DFLASH_ATTN_FOLD_ROPE=0 (read once; an A/B switch): never fold.
+bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
+    static const bool on = env_switch_on("DFLASH_ATTN_FOLD_ROPE");
+    if (!on || nq < 1 || n_kv_heads < 1 || !use_tc(head_dim) || n_heads / n_kv_heads > kMaxQueryVectors ||
+        tc_kernel() != TcKernel::kQuarter)
+        return false;
+    return plan_for(nq, n_heads, n_kv_heads, head_dim, keys).q_tiles == 1 && nq <= keys.num_keys &&
+           (keys.fresh_keys < 0 || keys.fresh_keys >= nq);
+}
+
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
-               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s) {
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s, const RopeFold *fold) {
     if (nq == 0) return;
     if (head_dim > kMaxHeadDim || head_dim % 2)
         fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: head_dim ", head_dim,
@@ -1265,14 +1384,21 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                mask.causal, mask.window, keys, out_part, ml_part);
     };
+    if (fold && !attention_folds_rope(nq, n_heads, n_kv_heads, head_dim, keys))
+        fail(DFLASH_STATUS_INTERNAL, "cuda attention: a folded RoPE for ", nq, " rows this call cannot take");
     if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
+        const RopeFold no_fold{};
+        auto go_q = [&](auto kernel, int threads, size_t smem) {
+            launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
+                   mask.causal, mask.window, keys, out_part, ml_part, fold ? *fold : no_fold);
+        };
         auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
-            else go(k4, 4 * kTqQuarters * 32, b4);
+            if (mt <= 1) go_q(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) go_q(k2, 2 * kTqQuarters * 32, b2);
+            else go_q(k4, 4 * kTqQuarters * 32, b4);
         };
         if (head_dim == 128)
             pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ops.cuh"
+#include "rope_head.cuh"
 
 namespace dflash {
 namespace cuda {
@@ -67,43 +68,10 @@ __device__ __forceinline__ LaneRope lane_rope(int head_dim, const bf16 *w, float
     return r;
 }
 
-// One head of head_dim at v (this warp): the norm (skipped when `norm` is false; its weights in r), then
-// the rotation, in place; the result also goes to `copy` when it is not null (a k head into its cache slot).
+// One head of head_dim at v (this warp), in place: norm_rope_pairs (rope_head.cuh) with this lane's LaneRope.
 __device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, bool norm, float eps, const LaneRope &r,
                                                bf16 *copy, int lane) {
-    const int half = head_dim / 2;
-    float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxPairsPerLane; ++i) {
-        const int j = lane + 32 * i;
-        a[i] = j < half ? to_float(v[j]) : 0.f;
-        b[i] = j < half ? to_float(v[j + half]) : 0.f;
-        ss += a[i] * a[i] + b[i] * b[i];
-    }
-    if (norm) {
-        const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
-#pragma unroll
-        for (int i = 0; i < kMaxPairsPerLane; ++i) {
-            const int j = lane + 32 * i;
-            if (j < half) {
-                a[i] = to_float(to_bf16(r.wa[i] * (a[i] * inv)));
-                b[i] = to_float(to_bf16(r.wb[i] * (b[i] * inv)));
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < kMaxPairsPerLane; ++i) {
-        const int j = lane + 32 * i;
-        if (j >= half) break;
-        const bf16 lo = to_bf16(a[i] * r.cs[i] - b[i] * r.sn[i]), hi = to_bf16(b[i] * r.cs[i] + a[i] * r.sn[i]);
-        v[j] = lo;
-        v[j + half] = hi;
-        if (copy) {
-            copy[j] = lo;
-            copy[j + half] = hi;
-        }
-    }
+    norm_rope_pairs<kMaxPairsPerLane>(v, head_dim, norm, eps, r.cs, r.sn, r.wa, r.wb, v, copy, lane);
 }
 
 // A v head from src to dst (this warp): every load first, then the stores (a loop of load-store pairs took one L2
