@@ -833,41 +833,53 @@ __device__ __forceinline__ void fold_tables(const RopeFold &f, const int32_t *q_
     }
 }
 
-// One raw head at src normed and rotated (norm_rope_pairs, this warp) with row r's rotations and weights w
-// ([HD]: the q or the k norm's) into dst and, when not null, copy.
+// Row r's rotations and the pairs' weights (w: [HD], the q or the k norm's) for this lane, from fold_tables'.
 template <int HD>
-__device__ __forceinline__ void fold_head(const bf16 *src, int r, bool norm, float eps, const float2 *rot_s,
-                                          const float *w, bf16 *dst, bf16 *copy, int lane) {
-    constexpr int kHalf = HD / 2, P = HD / 64;
+struct FoldLane {
+    static constexpr int P = HD / 64;
     float cs[P], sn[P], wa[P], wb[P];
+    __device__ FoldLane(const float2 *rot_s, int r, const float *w, int lane) {
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-        const int j = lane + 32 * i;
-        const float2 rot = rot_s[r * kHalf + j];
-        cs[i] = rot.x;
-        sn[i] = rot.y;
-        wa[i] = w[j];
-        wb[i] = w[j + kHalf];
+        for (int i = 0; i < P; ++i) {
+            const int j = lane + 32 * i;
+            const float2 rot = rot_s[r * (HD / 2) + j];
+            cs[i] = rot.x;
+            sn[i] = rot.y;
+            wa[i] = w[j];
+            wb[i] = w[j + HD / 2];
+        }
     }
-    norm_rope_pairs<P>(src, HD, norm, eps, cs, sn, wa, wb, dst, copy, lane);
-}
+};
 
-// The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp.
-template <int HD, int kThreads>
+// The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp
+// (head_pairs_load / head_pairs_finish, rope.cu's arithmetic), a warp's vectors' loads all issued first.
+template <int HD, int kThreads, int MT>
 __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof,
                                                int kv_head, int vec_base, int tile_vecs, int m_tiles,
                                                const RopeFold &f, const float2 *rot_s, const float *wq_s) {
-    constexpr int kStride = HD + kTcPad;
-    const int lane = threadIdx.x & 31;
-    for (int vl = threadIdx.x >> 5; vl < m_tiles * 16; vl += kThreads / 32) {
+    constexpr int kStride = HD + kTcPad, kWarpsQ = kThreads / 32, kPer = (16 * MT + kWarpsQ - 1) / kWarpsQ;
+    constexpr int P = HD / 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float a[kPer][P], b[kPer][P];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+        const int vl = warp + k * kWarpsQ, v = vec_base + vl;
+        if (vl < tile_vecs)
+            head_pairs_load<P>(q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD, HD,
+                               lane, a[k], b[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+        const int vl = warp + k * kWarpsQ;
+        if (vl >= m_tiles * 16) break;
         bf16 *dst = q_s + vl * kStride;
         if (vl >= tile_vecs) {
             for (int d = lane; d < HD; d += 32) dst[d] = to_bf16(0.f);
             continue;
         }
-        const int v = vec_base + vl, row = gof.row(v);
-        fold_head<HD>(q + int64_t(row) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD, row,
-                      f.q_norm != nullptr, f.eps, rot_s, wq_s, dst, nullptr, lane);
+        const FoldLane<HD> fl(rot_s, gof.row(vec_base + vl), wq_s, lane);
+        head_pairs_finish<P>(a[k], b[k], HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
+                             lane);
     }
 }
 
@@ -889,7 +901,9 @@ __device__ __forceinline__ void stage_own(const ChunkStager<HD, kThreads> &cs, c
         const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
         bf16 *copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
         if (!is_v) {
-            fold_head<HD>(src, r, f.k_norm != nullptr, f.eps, rot_s, wk_s, ks + j * kStride, copy, lane);
+            const FoldLane<HD> fl(rot_s, r, wk_s, lane);
+            norm_rope_pairs<HD / 64>(src, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb,
+                                     ks + j * kStride, copy, lane);
             continue;
         }
         bf16 vals[HD / 32];
@@ -946,7 +960,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     if (folded) {
         stage_own<HD, kThreads>(cs, fold, kv_head, 0, sm.k(0), sm.v(0), rot_s, wn_s + HD);
-        stage_q_folded<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
+        stage_q_folded<HD, kThreads, MT>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
     } else {
         stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     }

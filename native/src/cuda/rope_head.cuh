@@ -7,25 +7,27 @@
 namespace dflash {
 namespace cuda {
 
-// The head of head_dim at src (this warp; lane owns rotation pairs j = lane + 32 i, i < P, for j < head_dim / 2,
-// and j + head_dim / 2): RMSNorm with weights wa / wb of its pairs (fp32 statistics, the result rounded to bf16
-// as rms_norm stores it; skipped when `norm` is false), then the rotation by cos cs / sin sn (attention_factor
-// applied), rounded to bf16 into dst and, when not null, copy (a k head into its cache slot). dst may be src:
-// every load comes first.
+// A head's values as norm_rope_pairs reads them: lane's pairs j = lane + 32 i (i < P; zeros past head_dim / 2).
 template <int P>
-__device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, bool norm, float eps,
-                                                const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
-                                                const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
+__device__ __forceinline__ void head_pairs_load(const bf16 *src, int head_dim, int lane, float (&a)[P], float (&b)[P]) {
     const int half = head_dim / 2;
-    float a[P], b[P];
-    float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
         const int j = lane + 32 * i;
         a[i] = j < half ? to_float(src[j]) : 0.f;
         b[i] = j < half ? to_float(src[j + half]) : 0.f;
-        ss += a[i] * a[i] + b[i] * b[i];
     }
+}
+
+// norm_rope_pairs after its loads (head_pairs_load): the norm, the rotation and the stores.
+template <int P>
+__device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], int head_dim, bool norm, float eps,
+                                                  const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
+                                                  const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
+    const int half = head_dim / 2;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) ss += a[i] * a[i] + b[i] * b[i];
     if (norm) {
         const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
 #pragma unroll
@@ -49,6 +51,20 @@ __device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, b
             copy[j + half] = hi;
         }
     }
+}
+
+// The head of head_dim at src (this warp; lane owns rotation pairs j = lane + 32 i, i < P, for j < head_dim / 2,
+// and j + head_dim / 2): RMSNorm with weights wa / wb of its pairs (fp32 statistics, the result rounded to bf16
+// as rms_norm stores it; skipped when `norm` is false), then the rotation by cos cs / sin sn (attention_factor
+// applied), rounded to bf16 into dst and, when not null, copy (a k head into its cache slot). dst may be src:
+// every load comes first.
+template <int P>
+__device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, bool norm, float eps,
+                                                const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
+                                                const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
+    float a[P], b[P];
+    head_pairs_load<P>(src, head_dim, lane, a, b);
+    head_pairs_finish<P>(a, b, head_dim, norm, eps, cs, sn, wa, wb, dst, copy, lane);
 }
 
 }  // namespace cuda
