@@ -26,6 +26,9 @@ none): each variant runs in its own
 process, the order reversed every other round (so a GPU that warms up over the run shows as a
 spread, not as a difference), and a table gives each row's median per variant and its ratio to the
 first variant.
+
+BENCH_CTX_SHORT=N (environment; a variant may set it): the short context (default 1024) of the propose, verify and
+decode rows, e.g. 1000 against 1024 shows what the 17th key chunk of a 1040-key verify costs (16 splits of 64 keys).
 """
 import os
 import re
@@ -44,7 +47,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=3
                 head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                 max_position_embeddings=40960, tie_word_embeddings=False)
 QWEN3_4B = dict(QWEN3_8B, hidden_size=2560, intermediate_size=9728)
-CTX = {"short": 1024, "long": 8192, "ring": 32768}  # ring: a deployment's max_seq_len; --tiny shrinks these and the shapes above (a host-backend smoke run)
+CTX = {"short": int(os.environ.get("BENCH_CTX_SHORT", "1024")), "long": 8192, "ring": 32768}  # ring: a deployment's max_seq_len; --tiny shrinks these and the shapes above (a host-backend smoke run)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512)
 
