@@ -19,7 +19,8 @@ __device__ __forceinline__ void head_pairs_load(const bf16 *src, int head_dim, i
     }
 }
 
-// norm_rope_pairs after its loads (head_pairs_load): the norm, the rotation and the stores.
+// norm_rope_pairs after its loads (head_pairs_load): the norm, the rotation and the stores. Every rounding is spelled
+// out (the _rn intrinsics, which ptxas never contracts), so each kernel that inlines this gives the same bits.
 template <int P>
 __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], int head_dim, bool norm, float eps,
                                                   const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
@@ -27,7 +28,7 @@ __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], 
     const int half = head_dim / 2;
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < P; ++i) ss += a[i] * a[i] + b[i] * b[i];
+    for (int i = 0; i < P; ++i) ss = __fadd_rn(ss, __fmaf_rn(b[i], b[i], __fmul_rn(a[i], a[i])));
     if (norm) {
         const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
 #pragma unroll
@@ -43,7 +44,8 @@ __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], 
     for (int i = 0; i < P; ++i) {
         const int j = lane + 32 * i;
         if (j >= half) break;
-        const bf16 lo = to_bf16(a[i] * cs[i] - b[i] * sn[i]), hi = to_bf16(b[i] * cs[i] + a[i] * sn[i]);
+        const bf16 lo = to_bf16(__fsub_rn(__fmul_rn(a[i], cs[i]), __fmul_rn(b[i], sn[i])));
+        const bf16 hi = to_bf16(__fmaf_rn(b[i], cs[i], __fmul_rn(a[i], sn[i])));
         dst[j] = lo;
         dst[j + half] = hi;
         if (copy) {
