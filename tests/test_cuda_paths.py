@@ -194,6 +194,15 @@ def test_cuda_speculative_equals_cuda_autoregressive_eight_warp_attention():
     _lossless_in_a_process({"DFLASH_ATTN_WARPS": "8"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_rope_unfolded():
+    """The long-prompt lossless cases again in a process whose attention does not fold the q/k norm, RoPE and cache
+    writes (DFLASH_ATTN_FOLD_ROPE=0: qkv_norm_rope_write's kernel, then the key-quarter attention; folded is the
+    default since session 39)."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; test_ops' rope_attention cases compare the two paths bit for bit")
+    _lossless_in_a_process({"DFLASH_ATTN_FOLD_ROPE": "0"})
+
+
 def _python_in_a_process(env_overrides, args):
     """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess
