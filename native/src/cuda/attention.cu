@@ -254,7 +254,10 @@ struct ChunkStager {
     const PagedKeys &keys;
     const bf16 *kc, *vc;  // this kv head's first element in the caches
     int64_t kv_width, first0, stride, key_end;
-    int64_t own_begin;  // keys [own_begin, key_end) are the call's own rows' (RopeFold: staged by stage_own)
+    // RopeFold: keys [own_begin, key_end) are the call's own rows', computed by stage_own into own_k_s / own_v_s
+    // (rows of kStride, row r: key own_begin + r); stage_kv copies them from there once those are set.
+    int64_t own_begin;
+    const bf16 *own_k_s = nullptr, *own_v_s = nullptr;
     int n_chunks;
     int64_t *slot_s;
     int32_t pend_block = -1, pend_pos = 0;
@@ -307,7 +310,16 @@ struct ChunkStager {
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
-            if (first + j >= own_begin && first + j < key_end) continue;  // stage_own's
+            if (first + j >= own_begin && first + j < key_end) {  // stage_own's
+                if (own_k_s) {
+                    const int64_t r = first + j - own_begin;
+                    *reinterpret_cast<uint4 *>(ks + j * kStride + piece * 8) =
+                        *reinterpret_cast<const uint4 *>(own_k_s + r * kStride + piece * 8);
+                    *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) =
+                        *reinterpret_cast<const uint4 *>(own_v_s + r * kStride + piece * 8);
+                }
+                continue;
+            }
             const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
@@ -794,10 +806,11 @@ constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
 // RopeFold's tables after the Q tile: each query row's rotations (cos, sin of its pairs) and the q and k norms'
-// weights, as floats.
+// weights, as floats; then the rows' normed and rotated K and their V, as staged.
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_fold_bytes() {
-    return size_t(16 * MT) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(float);
+    return size_t(16 * MT) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(float) +
+           2 * size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);  // the rows' K and V (ChunkStager::own_k_s, own_v_s)
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_loop_bytes() {
@@ -883,27 +896,36 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
     }
 }
 
-// Chunk c's own keys (those in [own_begin, key_end)) into its stage, after the wait: one warp per (key, k or v),
-// the k head normed and rotated, the v head copied, each also into its cache slot (rope.cu's
-// qkv_norm_rope_write_kernel writes the same values there).
+// After the wait, the call's own rows' keys that fall in this split's chunks: one warp per (key, k or v), the k head
+// normed and rotated, the v head copied, into own_k / own_v (row r: key own_begin + r), into their cache slots
+// (rope.cu's qkv_norm_rope_write_kernel writes the same values there), and, for chunk 0, already staged without
+// them (stage_first), into its stage too. The later chunks copy theirs from own_k / own_v (ChunkStager::stage_kv).
 template <int HD, int kThreads>
-__device__ __forceinline__ void stage_own(const ChunkStager<HD, kThreads> &cs, const RopeFold &f, int kv_head, int c,
-                                          bf16 *ks, bf16 *vs, const float2 *rot_s, const float *wk_s) {
+__device__ __forceinline__ void stage_own(ChunkStager<HD, kThreads> &cs, const RopeFold &f, int kv_head, int split,
+                                          bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, const float2 *rot_s,
+                                          const float *wk_s) {
     constexpr int kStride = HD + kTcPad;
-    const int64_t first = cs.first0 + c * cs.stride;
-    const int64_t lo = max(first, cs.own_begin), hi = min(first + kTcKeys, cs.key_end);
     const int lane = threadIdx.x & 31;
-    for (int it = threadIdx.x >> 5; it < 2 * int(hi - lo); it += kThreads / 32) {
-        const int64_t key = lo + it / 2;
-        const int j = int(key - first), r = int(key - cs.own_begin);
+    const int n_own = int(cs.key_end - cs.own_begin);
+    for (int it = threadIdx.x >> 5; it < 2 * n_own; it += kThreads / 32) {
+        const int r = it / 2;
+        const int64_t key = cs.own_begin + r, chunk = key / kTcKeys;
+        if (chunk % gridDim.y != split) continue;  // another split's
         const int64_t slot = f.slots[r];
         const bool is_v = it & 1;
         const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
         bf16 *copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
+        bf16 *dst = (is_v ? own_v : own_k) + r * kStride;
+        const int64_t j = key - cs.first0;  // in chunk 0: its row there
+        bf16 *staged = j < kTcKeys ? (is_v ? vs0 : ks0) + j * kStride : nullptr;
         if (!is_v) {
             const FoldLane<HD> fl(rot_s, r, wk_s, lane);
-            norm_rope_pairs<HD / 64>(src, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb,
-                                     ks + j * kStride, copy, lane);
+            norm_rope_pairs<HD / 64>(src, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, copy,
+                                     lane);
+            if (staged) {
+                __syncwarp();
+                for (int d = lane; d < HD; d += 32) staged[d] = dst[d];
+            }
             continue;
         }
         bf16 vals[HD / 32];
@@ -911,10 +933,13 @@ __device__ __forceinline__ void stage_own(const ChunkStager<HD, kThreads> &cs, c
         for (int i = 0; i < HD / 32; ++i) vals[i] = src[lane + 32 * i];
 #pragma unroll
         for (int i = 0; i < HD / 32; ++i) {
-            vs[j * kStride + lane + 32 * i] = vals[i];
+            dst[lane + 32 * i] = vals[i];
+            if (staged) staged[lane + 32 * i] = vals[i];
             if (copy) copy[lane + 32 * i] = vals[i];
         }
     }
+    cs.own_k_s = own_k;
+    cs.own_v_s = own_v;
 }
 
 template <int HD, int MT>
@@ -933,6 +958,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
     float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
     float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
+    bf16 *own_k = reinterpret_cast<bf16 *>(wn_s + 2 * HD), *own_v = own_k + 16 * MT * kStride;  // RopeFold's rows
     const bool folded = fold.kv != nullptr;
     if (folded) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
     const bool early = tc_entry(keys);
@@ -959,7 +985,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     if (folded) {
-        stage_own<HD, kThreads>(cs, fold, kv_head, 0, sm.k(0), sm.v(0), rot_s, wn_s + HD);
+        stage_own<HD, kThreads>(cs, fold, kv_head, split, sm.k(0), sm.v(0), own_k, own_v, rot_s, wn_s + HD);
         stage_q_folded<HD, kThreads, MT>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
     } else {
         stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
@@ -994,7 +1020,6 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             cs.load_keys(c + 1);
             __syncthreads();  // slot_s written
             cs.stage_kv(sm.k(st), sm.v(st), c);
-            if (folded) stage_own<HD, kThreads>(cs, fold, kv_head, c, sm.k(st), sm.v(st), rot_s, wn_s + HD);
         }
         cp_async_commit();
         if (!busy) continue;
