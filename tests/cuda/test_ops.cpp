@@ -2242,6 +2242,7 @@ void usage() {
 int main(int argc, char **argv) {
     g_opt.seed = uint64_t(std::chrono::system_clock::now().time_since_epoch().count()) & 0xFFFFFFFFull;
     if (const char *env = std::getenv("DFLASH_TEST_SEED")) g_opt.seed = std::strtoull(env, nullptr, 0);
+    setenv("DFLASH_ATTN_FOLD_ROPE", "1", 0);  // rope_attention's cases fold (cuda) whatever the default
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--seed" && i + 1 < argc) {

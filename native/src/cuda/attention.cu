@@ -1386,9 +1386,14 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
-// DFLASH_ATTN_FOLD_ROPE=0 (read once; an A/B switch): never fold.
+// DFLASH_ATTN_FOLD_ROPE (read once; an A/B switch): 0 never folds, anything else folds where it can; unset:
+// kFoldRopeDefault.
+constexpr bool kFoldRopeDefault = true;
 bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
-    static const bool on = env_switch_on("DFLASH_ATTN_FOLD_ROPE");
+    static const bool on = [] {
+        const char *v = std::getenv("DFLASH_ATTN_FOLD_ROPE");
+        return v && *v ? v[0] != '0' : kFoldRopeDefault;
+    }();
     if (!on || nq < 1 || n_kv_heads < 1 || !use_tc(head_dim) || n_heads / n_kv_heads > kMaxQueryVectors ||
         tc_kernel() != TcKernel::kQuarter)
         return false;
