@@ -194,13 +194,13 @@ def test_cuda_speculative_equals_cuda_autoregressive_eight_warp_attention():
     _lossless_in_a_process({"DFLASH_ATTN_WARPS": "8"})
 
 
-def test_cuda_speculative_equals_cuda_autoregressive_rope_unfolded():
-    """The long-prompt lossless cases again in a process whose attention does not fold the q/k norm, RoPE and cache
-    writes (DFLASH_ATTN_FOLD_ROPE=0: qkv_norm_rope_write's kernel, then the key-quarter attention; folded is the
-    default since session 39)."""
+def test_cuda_speculative_equals_cuda_autoregressive_rope_folded():
+    """The long-prompt lossless cases again in a process whose key-quarter attention folds the q/k norm, RoPE and
+    cache writes in (DFLASH_ATTN_FOLD_ROPE=1; not the default yet): a row verified in a block must still equal the
+    row decoded alone."""
     if SHARED_GPU:
         pytest.skip("numeric only; test_ops' rope_attention cases compare the two paths bit for bit")
-    _lossless_in_a_process({"DFLASH_ATTN_FOLD_ROPE": "0"})
+    _lossless_in_a_process({"DFLASH_ATTN_FOLD_ROPE": "1"})
 
 
 def _python_in_a_process(env_overrides, args):

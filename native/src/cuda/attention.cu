@@ -1388,7 +1388,7 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
 
 // DFLASH_ATTN_FOLD_ROPE (read once; an A/B switch): 0 never folds, anything else folds where it can; unset:
 // kFoldRopeDefault.
-constexpr bool kFoldRopeDefault = true;
+constexpr bool kFoldRopeDefault = false;
 bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
     static const bool on = [] {
         const char *v = std::getenv("DFLASH_ATTN_FOLD_ROPE");
