@@ -1544,6 +1544,18 @@ struct PagedBuffers {
     }
 };
 
+// An AttnShape's key count and fresh count uploaded to a backend, and PagedKeys over them (read on the device where
+// the shape has a capacity, as graphs read them).
+struct ShapeKeys {
+    DeviceBuffer count_dev;
+    PagedKeys keys;
+    ShapeKeys(Backend &be, const PagedBuffers &bufs, const PagedSetup &p, const AttnShape &s)
+        : count_dev(upload_vec(be, std::vector<int32_t>{int32_t(s.num_keys), int32_t(s.fresh)})) {
+        const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
+        keys = bufs.keys(p, s.num_keys, count_ptr, s.uniform_rows, s.fresh, count_ptr ? count_ptr + 1 : nullptr);
+    }
+};
+
 std::string attn_desc(const AttnShape &s, const char *wrap) {
     return cat("nq=", s.nq, " heads=", s.ratio * s.n_kv, "/", s.n_kv, " head_dim=", s.head_dim, " keys=", s.num_keys,
                " mask=", mask_name(s.mask), s.wrap ? wrap : "",
@@ -1566,14 +1578,10 @@ void run_attention_case(Group &g, const AttnShape &s) {
                   Backend &be = b ? *C : *H;
                   const PagedBuffers bufs(be, p);
                   DeviceBuffer qb = upload_act(be, q);
-                  const std::vector<int32_t> count = {int32_t(s.num_keys), int32_t(s.fresh)};
-                  DeviceBuffer count_dev = upload_vec(be, count);
                   DeviceBuffer out = poisoned(be, out_count * act_size(be));
-                  const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
-                  const PagedKeys keys = bufs.keys(p, s.num_keys, count_ptr, s.uniform_rows, s.fresh,
-                                                   count_ptr ? count_ptr + 1 : nullptr);
+                  const ShapeKeys sk(be, bufs, p, s);
                   be.attention(qb.get(), ldq, s.nq, bufs.qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale,
-                               p.mask, keys, out.get());
+                               p.mask, sk.keys, out.get());
                   sync(be);
                   outs[b] = download_act(be, out.get(), out_count);
               }
@@ -1650,12 +1658,9 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
             const PagedBuffers bufs(be, p);
             Weight w_q = upload_weight(be, wq, 1, hd), w_k = upload_weight(be, wk, 1, hd);
             DeviceBuffer x = upload_act(be, qkv), f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
-            const std::vector<int32_t> count = {int32_t(s.num_keys), int32_t(s.fresh)};
-            DeviceBuffer count_dev = upload_vec(be, count);
             DeviceBuffer out = poisoned(be, out_count * act_size(be));
-            const int32_t *count_ptr = s.capacity ? count_dev.as<int32_t>() : nullptr;
-            const PagedKeys keys = bufs.keys(p, s.num_keys, count_ptr, s.uniform_rows, s.fresh,
-                                             count_ptr ? count_ptr + 1 : nullptr);
+            const ShapeKeys sk(be, bufs, p, s);
+            const PagedKeys &keys = sk.keys;
             void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
             const Backend::RopeArgs args{x.get(), ld, kv, ld, norm ? &w_q.view : nullptr, norm ? &w_k.view : nullptr,
                                          1e-6f, bufs.qpos.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>()};
