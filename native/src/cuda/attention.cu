@@ -248,7 +248,7 @@ struct TcStages {
 // block-table read never waits in the loop), then its slot into slot_s and its position into the stage
 // (stage_keys); stage_kv copies the chunk's K and V rows by 16-byte cp.async, zeros past the last key, every
 // piece in flight at once (coherent L2 reads: the caches were written before the block's wait, or are settled).
-template <int HD, int kThreads>
+template <int HD, int kThreads, bool kOwn = false>
 struct ChunkStager {
     static constexpr int kStride = HD + kTcPad, kPieces = HD / 8;
     const PagedKeys &keys;
@@ -310,15 +310,17 @@ struct ChunkStager {
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
-            if (first + j >= own_begin && first + j < key_end) {  // stage_own's
-                if (own_k_s) {
-                    const int64_t r = first + j - own_begin;
-                    *reinterpret_cast<uint4 *>(ks + j * kStride + piece * 8) =
-                        *reinterpret_cast<const uint4 *>(own_k_s + r * kStride + piece * 8);
-                    *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) =
-                        *reinterpret_cast<const uint4 *>(own_v_s + r * kStride + piece * 8);
+            if constexpr (kOwn) {
+                if (first + j >= own_begin && first + j < key_end) {  // stage_own's
+                    if (own_k_s) {
+                        const int64_t r = first + j - own_begin;
+                        *reinterpret_cast<uint4 *>(ks + j * kStride + piece * 8) =
+                            *reinterpret_cast<const uint4 *>(own_k_s + r * kStride + piece * 8);
+                        *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) =
+                            *reinterpret_cast<const uint4 *>(own_v_s + r * kStride + piece * 8);
+                    }
+                    continue;
                 }
-                continue;
             }
             const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
@@ -812,10 +814,10 @@ __host__ __device__ constexpr size_t tq_fold_bytes() {
     return size_t(16 * MT) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(float) +
            2 * size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);  // the rows' K and V (ChunkStager::own_k_s, own_v_s)
 }
-template <int HD, int MT>
+template <int HD, int MT, bool FOLD>
 __host__ __device__ constexpr size_t tq_loop_bytes() {
     return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16) +
-           tq_fold_bytes<HD, MT>();
+           (FOLD ? tq_fold_bytes<HD, MT>() : 0);
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -823,9 +825,10 @@ __host__ __device__ constexpr size_t tq_merge_bytes() {
            size_t(kTqQuarters) * 16 * MT * sizeof(float2);
 }
 // The merge's buffers alias the stages (after a barrier): the larger of the two.
-template <int HD, int MT>
+template <int HD, int MT, bool FOLD = false>
 __host__ __device__ constexpr size_t tq_smem_bytes() {
-    return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
+    return tq_loop_bytes<HD, MT, FOLD>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT, FOLD>()
+                                                                    : tq_merge_bytes<HD, MT>();
 }
 
 // RopeFold (ops.cuh), the kernel's side. Before the wait: every row's rotations (row r: the call's query row r,
@@ -865,7 +868,7 @@ struct FoldLane {
 };
 
 // The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp
-// (head_pairs_load / head_pairs_finish, rope.cu's arithmetic), a warp's vectors' loads all issued first.
+// (norm_rope_pairs' arithmetic, head_pairs_finish), a warp's vectors' loads all issued first.
 template <int HD, int kThreads, int MT>
 __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof,
                                                int kv_head, int vec_base, int tile_vecs, int m_tiles,
@@ -877,9 +880,13 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
         const int vl = warp + k * kWarpsQ, v = vec_base + vl;
-        if (vl < tile_vecs)
-            head_pairs_load<P>(q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD, HD,
-                               lane, a[k], b[k]);
+        if (vl >= tile_vecs) continue;
+        const bf16 *src = q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            a[k][i] = to_float(src[lane + 32 * i]);
+            b[k][i] = to_float(src[lane + 32 * i + HD / 2]);
+        }
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -890,8 +897,11 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
             for (int d = lane; d < HD; d += 32) dst[d] = to_bf16(0.f);
             continue;
         }
+        float ss = 0.f;  // as norm_rope_pairs sums it
+#pragma unroll
+        for (int i = 0; i < P; ++i) ss += a[k][i] * a[k][i] + b[k][i] * b[k][i];
         const FoldLane<HD> fl(rot_s, gof.row(vec_base + vl), wq_s, lane);
-        head_pairs_finish<P>(a[k], b[k], HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
+        head_pairs_finish<P>(a[k], b[k], ss, HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
                              lane);
     }
 }
@@ -901,7 +911,7 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
 // (rope.cu's qkv_norm_rope_write_kernel writes the same values there), and, for chunk 0, already staged without
 // them (stage_first), into its stage too. The later chunks copy theirs from own_k / own_v (ChunkStager::stage_kv).
 template <int HD, int kThreads>
-__device__ __forceinline__ void stage_own(ChunkStager<HD, kThreads> &cs, const RopeFold &f, int kv_head, int split,
+__device__ __forceinline__ void stage_own(ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head, int split,
                                           bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, const float2 *rot_s,
                                           const float *wk_s) {
     constexpr int kStride = HD + kTcPad;
@@ -942,11 +952,13 @@ __device__ __forceinline__ void stage_own(ChunkStager<HD, kThreads> &cs, const R
     cs.own_v_s = own_v;
 }
 
-template <int HD, int MT>
-__global__ void __launch_bounds__(kTqQuarters * MT * 32)
-attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
-                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part, RopeFold fold) {
+// The key-quarter kernel's body; FOLD: with RopeFold (attention_tcq_fold_kernel), else as it was before the fold
+// (attention_tcq_kernel, the default).
+template <int HD, int MT, bool FOLD>
+__device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions, int n_heads,
+                                         int n_kv_heads, float scale, bool causal, int32_t window,
+                                         const PagedKeys &keys, float *out_part, Split *ml_part,
+                                         const RopeFold &fold) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
     constexpr int kStride = HD + kTcPad;
@@ -959,8 +971,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
     float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
     bf16 *own_k = reinterpret_cast<bf16 *>(wn_s + 2 * HD), *own_v = own_k + 16 * MT * kStride;  // RopeFold's rows
-    const bool folded = fold.kv != nullptr;
-    if (folded) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
+    if constexpr (FOLD) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
     const bool early = tc_entry(keys);
 
     const int group = n_heads / n_kv_heads;
@@ -980,11 +991,11 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         DFLASH_PROBE(g_probe_attention, 5);
         return;
     }
-    ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
-    if (folded) cs.own_begin = key_end - nq;
+    ChunkStager<HD, kThreads, FOLD> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    if constexpr (FOLD) cs.own_begin = key_end - nq;
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
-    if (folded) {
+    if constexpr (FOLD) {
         stage_own<HD, kThreads>(cs, fold, kv_head, split, sm.k(0), sm.v(0), own_k, own_v, rot_s, wn_s + HD);
         stage_q_folded<HD, kThreads, MT>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
     } else {
@@ -1138,6 +1149,24 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         if (d == 0) ml_part[idx] = Split{best, lsum};
     }
     DFLASH_PROBE(g_probe_attention, 4);
+}
+
+template <int HD, int MT>
+__global__ void __launch_bounds__(kTqQuarters * MT * 32)
+attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
+                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                     PagedKeys keys, float *out_part, Split *ml_part) {
+    tcq_body<HD, MT, false>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, out_part,
+                            ml_part, RopeFold{});
+}
+
+template <int HD, int MT>
+__global__ void __launch_bounds__(kTqQuarters * MT * 32)
+attention_tcq_fold_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
+                          int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                          PagedKeys keys, float *out_part, Split *ml_part, RopeFold fold) {
+    tcq_body<HD, MT, true>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, out_part,
+                           ml_part, fold);
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
@@ -1340,6 +1369,27 @@ bool allow_tcq_smem() {
     return fits;
 }
 
+// RopeFold's key-quarter kernels' opt-ins likewise. Returns whether they fit (156 KB at head_dim 128 and 4 m tiles).
+bool allow_tcq_fold_smem() {
+    static const bool fits = [] {
+        int device = 0, optin = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        if (tq_smem_bytes<128, 4, true>() > size_t(optin)) return false;
+        auto allow = [](auto kernel, size_t bytes) {
+            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+        };
+        allow(attention_tcq_fold_kernel<128, 1>, tq_smem_bytes<128, 1, true>());
+        allow(attention_tcq_fold_kernel<128, 2>, tq_smem_bytes<128, 2, true>());
+        allow(attention_tcq_fold_kernel<128, 4>, tq_smem_bytes<128, 4, true>());
+        allow(attention_tcq_fold_kernel<64, 1>, tq_smem_bytes<64, 1, true>());
+        allow(attention_tcq_fold_kernel<64, 2>, tq_smem_bytes<64, 2, true>());
+        allow(attention_tcq_fold_kernel<64, 4>, tq_smem_bytes<64, 4, true>());
+        return true;
+    }();
+    return fits;
+}
+
 // Its shared-memory opt-in, once per process (for the device current then). Returns whether it fits (99 KB,
 // sm_86 and sm_89's limit, does not: they take the four-warp kernel, for every call alike).
 bool allow_tc8_smem() {
@@ -1395,7 +1445,7 @@ bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64
         return v && *v ? v[0] != '0' : kFoldRopeDefault;
     }();
     if (!on || nq < 1 || n_kv_heads < 1 || !use_tc(head_dim) || n_heads / n_kv_heads > kMaxQueryVectors ||
-        tc_kernel() != TcKernel::kQuarter)
+        tc_kernel() != TcKernel::kQuarter || !allow_tcq_fold_smem())
         return false;
     return plan_for(nq, n_heads, n_kv_heads, head_dim, keys).q_tiles == 1 && nq <= keys.num_keys &&
            (keys.fresh_keys < 0 || keys.fresh_keys >= nq);
@@ -1434,21 +1484,28 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
-        const RopeFold no_fold{};
-        auto go_q = [&](auto kernel, int threads, size_t smem) {
+        auto go_fold = [&](auto kernel, int threads, size_t smem) {
             launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
-                   mask.causal, mask.window, keys, out_part, ml_part, fold ? *fold : no_fold);
+                   mask.causal, mask.window, keys, out_part, ml_part, *fold);
         };
-        auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            if (mt <= 1) go_q(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) go_q(k2, 2 * kTqQuarters * 32, b2);
-            else go_q(k4, 4 * kTqQuarters * 32, b4);
+        auto pick = [&](auto launch_it, auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
+            if (mt <= 1) launch_it(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) launch_it(k2, 2 * kTqQuarters * 32, b2);
+            else launch_it(k4, 4 * kTqQuarters * 32, b4);
         };
-        if (head_dim == 128)
-            pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
+        if (fold && head_dim == 128)
+            pick(go_fold, attention_tcq_fold_kernel<128, 1>, attention_tcq_fold_kernel<128, 2>,
+                 attention_tcq_fold_kernel<128, 4>, tq_smem_bytes<128, 1, true>(), tq_smem_bytes<128, 2, true>(),
+                 tq_smem_bytes<128, 4, true>());
+        else if (fold)
+            pick(go_fold, attention_tcq_fold_kernel<64, 1>, attention_tcq_fold_kernel<64, 2>,
+                 attention_tcq_fold_kernel<64, 4>, tq_smem_bytes<64, 1, true>(), tq_smem_bytes<64, 2, true>(),
+                 tq_smem_bytes<64, 4, true>());
+        else if (head_dim == 128)
+            pick(go, attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
                  tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(), tq_smem_bytes<128, 4>());
         else
-            pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
+            pick(go, attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
                  tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)

@@ -1,5 +1,6 @@
 // rope_head.cuh: one head's RMSNorm and rotate-half RoPE by one warp: the arithmetic of rope.cu's kernels and of
-// the attention's folded staging (attention.cu, RopeFold), one function, so both give the same bits.
+// the attention's folded staging (attention.cu, RopeFold), written once. (rope.cu's PTX is unchanged by it: checked
+// against session 38's.)
 #pragma once
 
 #include "common.cuh"
@@ -7,28 +8,14 @@
 namespace dflash {
 namespace cuda {
 
-// A head's values as norm_rope_pairs reads them: lane's pairs j = lane + 32 i (i < P; zeros past head_dim / 2).
+// norm_rope_pairs after its loads and their sum of squares ss (accumulated pair by pair, as norm_rope_pairs
+// does): the norm, the rotation and the stores.
 template <int P>
-__device__ __forceinline__ void head_pairs_load(const bf16 *src, int head_dim, int lane, float (&a)[P], float (&b)[P]) {
+__device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], float ss, int head_dim, bool norm,
+                                                  float eps, const float (&cs)[P], const float (&sn)[P],
+                                                  const float (&wa)[P], const float (&wb)[P], bf16 *dst, bf16 *copy,
+                                                  int lane) {
     const int half = head_dim / 2;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-        const int j = lane + 32 * i;
-        a[i] = j < half ? to_float(src[j]) : 0.f;
-        b[i] = j < half ? to_float(src[j + half]) : 0.f;
-    }
-}
-
-// norm_rope_pairs after its loads (head_pairs_load): the norm, the rotation and the stores. Every rounding is spelled
-// out (the _rn intrinsics, which ptxas never contracts), so each kernel that inlines this gives the same bits.
-template <int P>
-__device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], int head_dim, bool norm, float eps,
-                                                  const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
-                                                  const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
-    const int half = head_dim / 2;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) ss = __fadd_rn(ss, __fmaf_rn(b[i], b[i], __fmul_rn(a[i], a[i])));
     if (norm) {
         const float inv = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
 #pragma unroll
@@ -44,8 +31,7 @@ __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], 
     for (int i = 0; i < P; ++i) {
         const int j = lane + 32 * i;
         if (j >= half) break;
-        const bf16 lo = to_bf16(__fsub_rn(__fmul_rn(a[i], cs[i]), __fmul_rn(b[i], sn[i])));
-        const bf16 hi = to_bf16(__fmaf_rn(b[i], cs[i], __fmul_rn(a[i], sn[i])));
+        const bf16 lo = to_bf16(a[i] * cs[i] - b[i] * sn[i]), hi = to_bf16(b[i] * cs[i] + a[i] * sn[i]);
         dst[j] = lo;
         dst[j + half] = hi;
         if (copy) {
@@ -59,14 +45,23 @@ __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], 
 // and j + head_dim / 2): RMSNorm with weights wa / wb of its pairs (fp32 statistics, the result rounded to bf16
 // as rms_norm stores it; skipped when `norm` is false), then the rotation by cos cs / sin sn (attention_factor
 // applied), rounded to bf16 into dst and, when not null, copy (a k head into its cache slot). dst may be src:
-// every load comes first.
+// every load comes first. rope.cu's kernels and the folded attention (attention.cu, RopeFold) both inline it;
+// test_ops' rope_attention cases check that they give the same bits.
 template <int P>
 __device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, bool norm, float eps,
                                                 const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
                                                 const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
+    const int half = head_dim / 2;
     float a[P], b[P];
-    head_pairs_load<P>(src, head_dim, lane, a, b);
-    head_pairs_finish<P>(a, b, head_dim, norm, eps, cs, sn, wa, wb, dst, copy, lane);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int j = lane + 32 * i;
+        a[i] = j < half ? to_float(src[j]) : 0.f;
+        b[i] = j < half ? to_float(src[j + half]) : 0.f;
+        ss += a[i] * a[i] + b[i] * b[i];
+    }
+    head_pairs_finish<P>(a, b, ss, head_dim, norm, eps, cs, sn, wa, wb, dst, copy, lane);
 }
 
 }  // namespace cuda
