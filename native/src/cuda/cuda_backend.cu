@@ -279,8 +279,8 @@ public:
         cuda::attention(as_bf16(q), ldq, nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
                         keys, scratch, as_bf16(out), stream_);
     }
-    // Folded into the key-quarter attention kernel where it can be (cuda::attention_folds_rope: one query tile;
-    // DFLASH_ATTN_FOLD_ROPE=0 never), else qkv_norm_rope_write's kernel, then the attention.
+    // Folded into the key-quarter attention kernel where it can be (cuda::attention_folds_rope: one query tile, and
+    // DFLASH_ATTN_FOLD_ROPE=1 until the fold has run on a GPU), else qkv_norm_rope_write's kernel, then the attention.
     void rope_attention(const RopeArgs &r, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                         float scale, AttentionMask mask, const PagedKeys &keys, void *out) override {
         static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");

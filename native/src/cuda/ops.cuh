@@ -111,8 +111,9 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
                                const PagedKeys &keys);
 // Backend::rope_attention in the attention kernel (fold non-null; attention_folds_rope says when it can be): q is
 // the q/k/v GEMM's raw output, the call's nq rows are the last nq keys, and the kernel norms and rotates their q and
-// k heads (rope.cu's arithmetic: the same bits) and writes their k and v heads to the caches (keys.k_cache /
-// v_cache) at `slots` (negative: not written), so no qkv_norm_rope_write runs.
+// k heads (rope.cu's arithmetic, rope_head.cuh: meant to give the same bits, which test_ops checks) and writes their
+// k and v heads to the caches (keys.k_cache / v_cache) at `slots` (negative: not written), so no
+// qkv_norm_rope_write runs.
 struct RopeFold {
     const bf16 *kv = nullptr;  // the rows' raw k heads, then v heads, at stride ldkv
     int64_t ldkv = 0;
