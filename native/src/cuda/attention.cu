@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops.cuh"
@@ -868,7 +869,7 @@ struct FoldLane {
 };
 
 // The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp
-// (norm_rope_pairs' arithmetic, head_pairs_finish), a warp's vectors' loads all issued first.
+// (norm_rope_pairs' arithmetic: head_pairs_load, then head_pairs_finish), a warp's vectors' loads all issued first.
 template <int HD, int kThreads, int MT>
 __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof,
                                                int kv_head, int vec_base, int tile_vecs, int m_tiles,
@@ -876,17 +877,13 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
     constexpr int kStride = HD + kTcPad, kWarpsQ = kThreads / 32, kPer = (16 * MT + kWarpsQ - 1) / kWarpsQ;
     constexpr int P = HD / 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float a[kPer][P], b[kPer][P];
+    float a[kPer][P], b[kPer][P], ss[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
         const int vl = warp + k * kWarpsQ, v = vec_base + vl;
-        if (vl >= tile_vecs) continue;
-        const bf16 *src = q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD;
-#pragma unroll
-        for (int i = 0; i < P; ++i) {
-            a[k][i] = to_float(src[lane + 32 * i]);
-            b[k][i] = to_float(src[lane + 32 * i + HD / 2]);
-        }
+        if (vl < tile_vecs)
+            ss[k] = head_pairs_load<P>(q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD,
+                                       HD, lane, a[k], b[k]);
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -897,11 +894,8 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
             for (int d = lane; d < HD; d += 32) dst[d] = to_bf16(0.f);
             continue;
         }
-        float ss = 0.f;  // as norm_rope_pairs sums it
-#pragma unroll
-        for (int i = 0; i < P; ++i) ss += a[k][i] * a[k][i] + b[k][i] * b[k][i];
         const FoldLane<HD> fl(rot_s, gof.row(vec_base + vl), wq_s, lane);
-        head_pairs_finish<P>(a[k], b[k], ss, HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
+        head_pairs_finish<P>(a[k], b[k], ss[k], HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
                              lane);
     }
 }
@@ -1347,44 +1341,31 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// The key-quarter kernel's shared-memory opt-ins, once per process (for the device current then). Returns whether
-// its largest instantiation fits.
+// A key-quarter kernel: attention_tcq_fold_kernel<HD, MT> (FOLD, RopeFold's) or attention_tcq_kernel<HD, MT>.
+template <int HD, int MT, bool FOLD>
+constexpr auto tcq_kernel() {
+    if constexpr (FOLD) return attention_tcq_fold_kernel<HD, MT>;
+    else return attention_tcq_kernel<HD, MT>;
+}
+
+// The key-quarter kernels' shared-memory opt-ins (FOLD: RopeFold's), once per process and family (for the device
+// current then). Returns whether the family's largest instantiation fits (138 KB; 156 KB folded).
+template <bool FOLD>
 bool allow_tcq_smem() {
     static const bool fits = [] {
         int device = 0, optin = 0;
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-        if (tq_smem_bytes<128, 4>() > size_t(optin)) return false;
+        if (tq_smem_bytes<128, 4, FOLD>() > size_t(optin)) return false;
         auto allow = [](auto kernel, size_t bytes) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
         };
-        allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
-        allow(attention_tcq_kernel<128, 2>, tq_smem_bytes<128, 2>());
-        allow(attention_tcq_kernel<128, 4>, tq_smem_bytes<128, 4>());
-        allow(attention_tcq_kernel<64, 1>, tq_smem_bytes<64, 1>());
-        allow(attention_tcq_kernel<64, 2>, tq_smem_bytes<64, 2>());
-        allow(attention_tcq_kernel<64, 4>, tq_smem_bytes<64, 4>());
-        return true;
-    }();
-    return fits;
-}
-
-// RopeFold's key-quarter kernels' opt-ins likewise. Returns whether they fit (156 KB at head_dim 128 and 4 m tiles).
-bool allow_tcq_fold_smem() {
-    static const bool fits = [] {
-        int device = 0, optin = 0;
-        DFLASH_CUDA_CHECK(cudaGetDevice(&device));
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-        if (tq_smem_bytes<128, 4, true>() > size_t(optin)) return false;
-        auto allow = [](auto kernel, size_t bytes) {
-            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-        };
-        allow(attention_tcq_fold_kernel<128, 1>, tq_smem_bytes<128, 1, true>());
-        allow(attention_tcq_fold_kernel<128, 2>, tq_smem_bytes<128, 2, true>());
-        allow(attention_tcq_fold_kernel<128, 4>, tq_smem_bytes<128, 4, true>());
-        allow(attention_tcq_fold_kernel<64, 1>, tq_smem_bytes<64, 1, true>());
-        allow(attention_tcq_fold_kernel<64, 2>, tq_smem_bytes<64, 2, true>());
-        allow(attention_tcq_fold_kernel<64, 4>, tq_smem_bytes<64, 4, true>());
+        allow(tcq_kernel<128, 1, FOLD>(), tq_smem_bytes<128, 1, FOLD>());
+        allow(tcq_kernel<128, 2, FOLD>(), tq_smem_bytes<128, 2, FOLD>());
+        allow(tcq_kernel<128, 4, FOLD>(), tq_smem_bytes<128, 4, FOLD>());
+        allow(tcq_kernel<64, 1, FOLD>(), tq_smem_bytes<64, 1, FOLD>());
+        allow(tcq_kernel<64, 2, FOLD>(), tq_smem_bytes<64, 2, FOLD>());
+        allow(tcq_kernel<64, 4, FOLD>(), tq_smem_bytes<64, 4, FOLD>());
         return true;
     }();
     return fits;
@@ -1413,7 +1394,7 @@ bool allow_tc8_smem() {
 TcKernel tc_kernel() {
     static const TcKernel k = [] {
         const TcKernel want = requested_tc_kernel();
-        if (want == TcKernel::kQuarter && allow_tcq_smem()) return TcKernel::kQuarter;
+        if (want == TcKernel::kQuarter && allow_tcq_smem<false>()) return TcKernel::kQuarter;
         if (want != TcKernel::kFour && allow_tc8_smem()) return TcKernel::kEight;
         return TcKernel::kFour;
     }();
@@ -1445,7 +1426,7 @@ bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64
         return v && *v ? v[0] != '0' : kFoldRopeDefault;
     }();
     if (!on || nq < 1 || n_kv_heads < 1 || !use_tc(head_dim) || n_heads / n_kv_heads > kMaxQueryVectors ||
-        tc_kernel() != TcKernel::kQuarter || !allow_tcq_fold_smem())
+        tc_kernel() != TcKernel::kQuarter || !allow_tcq_smem<true>())
         return false;
     return plan_for(nq, n_heads, n_kv_heads, head_dim, keys).q_tiles == 1 && nq <= keys.num_keys &&
            (keys.fresh_keys < 0 || keys.fresh_keys >= nq);
@@ -1478,7 +1459,8 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                mask.causal, mask.window, keys, out_part, ml_part);
     };
-    if (fold && !attention_folds_rope(nq, n_heads, n_kv_heads, head_dim, keys))
+    // A fold is only asked for where attention_folds_rope said yes: the key-quarter kernel, one query tile.
+    if (fold && (!tc || tc_kernel() != TcKernel::kQuarter || p.q_tiles != 1))
         fail(DFLASH_STATUS_INTERNAL, "cuda attention: a folded RoPE for ", nq, " rows this call cannot take");
     if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
@@ -1488,25 +1470,25 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                    mask.causal, mask.window, keys, out_part, ml_part, *fold);
         };
-        auto pick = [&](auto launch_it, auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            if (mt <= 1) launch_it(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) launch_it(k2, 2 * kTqQuarters * 32, b2);
-            else launch_it(k4, 4 * kTqQuarters * 32, b4);
+        // The kernel for mt (RopeFold's where `fold`), launched by launch_it.
+        auto pick = [&](auto fold_tag, auto launch_it) {
+            constexpr bool kFold = decltype(fold_tag)::value;
+            auto by_mt = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
+                if (mt <= 1) launch_it(k1, kTqQuarters * 32, b1);
+                else if (mt == 2) launch_it(k2, 2 * kTqQuarters * 32, b2);
+                else launch_it(k4, 4 * kTqQuarters * 32, b4);
+            };
+            if (head_dim == 128)
+                by_mt(tcq_kernel<128, 1, kFold>(), tcq_kernel<128, 2, kFold>(), tcq_kernel<128, 4, kFold>(),
+                      tq_smem_bytes<128, 1, kFold>(), tq_smem_bytes<128, 2, kFold>(), tq_smem_bytes<128, 4, kFold>());
+            else
+                by_mt(tcq_kernel<64, 1, kFold>(), tcq_kernel<64, 2, kFold>(), tcq_kernel<64, 4, kFold>(),
+                      tq_smem_bytes<64, 1, kFold>(), tq_smem_bytes<64, 2, kFold>(), tq_smem_bytes<64, 4, kFold>());
         };
-        if (fold && head_dim == 128)
-            pick(go_fold, attention_tcq_fold_kernel<128, 1>, attention_tcq_fold_kernel<128, 2>,
-                 attention_tcq_fold_kernel<128, 4>, tq_smem_bytes<128, 1, true>(), tq_smem_bytes<128, 2, true>(),
-                 tq_smem_bytes<128, 4, true>());
-        else if (fold)
-            pick(go_fold, attention_tcq_fold_kernel<64, 1>, attention_tcq_fold_kernel<64, 2>,
-                 attention_tcq_fold_kernel<64, 4>, tq_smem_bytes<64, 1, true>(), tq_smem_bytes<64, 2, true>(),
-                 tq_smem_bytes<64, 4, true>());
-        else if (head_dim == 128)
-            pick(go, attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
-                 tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(), tq_smem_bytes<128, 4>());
+        if (fold)
+            pick(std::true_type{}, go_fold);
         else
-            pick(go, attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
-                 tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
+            pick(std::false_type{}, go);
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());

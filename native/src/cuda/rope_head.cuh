@@ -8,8 +8,24 @@
 namespace dflash {
 namespace cuda {
 
-// norm_rope_pairs after its loads and their sum of squares ss (accumulated pair by pair, as norm_rope_pairs
-// does): the norm, the rotation and the stores.
+// norm_rope_pairs' loads: lane's pairs j = lane + 32 i (i < P; zeros past head_dim / 2) into a and b. Returns
+// their sum of squares, accumulated pair by pair.
+template <int P>
+__device__ __forceinline__ float head_pairs_load(const bf16 *src, int head_dim, int lane, float (&a)[P],
+                                                 float (&b)[P]) {
+    const int half = head_dim / 2;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        const int j = lane + 32 * i;
+        a[i] = j < half ? to_float(src[j]) : 0.f;
+        b[i] = j < half ? to_float(src[j + half]) : 0.f;
+        ss += a[i] * a[i] + b[i] * b[i];
+    }
+    return ss;
+}
+
+// norm_rope_pairs after its loads (head_pairs_load, which returned ss): the norm, the rotation and the stores.
 template <int P>
 __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], float ss, int head_dim, bool norm,
                                                   float eps, const float (&cs)[P], const float (&sn)[P],
@@ -51,16 +67,8 @@ template <int P>
 __device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, bool norm, float eps,
                                                 const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
                                                 const float (&wb)[P], bf16 *dst, bf16 *copy, int lane) {
-    const int half = head_dim / 2;
     float a[P], b[P];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-        const int j = lane + 32 * i;
-        a[i] = j < half ? to_float(src[j]) : 0.f;
-        b[i] = j < half ? to_float(src[j + half]) : 0.f;
-        ss += a[i] * a[i] + b[i] * b[i];
-    }
+    const float ss = head_pairs_load<P>(src, head_dim, lane, a, b);
     head_pairs_finish<P>(a, b, ss, head_dim, norm, eps, cs, sn, wa, wb, dst, copy, lane);
 }
 
