@@ -992,6 +992,9 @@ __device__ __forceinline__ void cluster_combine(const float *part_s, const float
     constexpr int kThreads = kTqQuarters * MT * 32;
     constexpr int kQuads = HD / 4;
     const int splits = int(min(int64_t(gridDim.y), (key_end + kTcKeys - 1) / kTcKeys));
+    // A block without keys never waited: its writes to out below must not race the kernels before this one
+    // (out is an earlier kernel's input too). Returns at once where the block has waited.
+    pdl_wait();
     cluster_sync();  // every block's partial is written
     const int items = tile_vecs * kQuads, share = (items + int(gridDim.y) - 1) / int(gridDim.y);
     const int end = min(items, (split + 1) * share);
