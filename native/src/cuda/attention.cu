@@ -977,6 +977,10 @@ __device__ __forceinline__ float4 merge_quarters(const float *o_s, const float2 
     return acc;
 }
 
+// A merged output element: the splits' weighted sum over their weighted l (0 where no key was visible), in bf16;
+// attention_combine_kernel's and cluster_combine's last step.
+__device__ __forceinline__ bf16 merged_out(float acc, float total) { return to_bf16(total > 0.f ? acc / total : 0.f); }
+
 // DFLASH_ATTN_CLUSTER's end of a key-quarter block (attention_tcq_cluster_kernel): the grid's splits of one kv head
 // and query tile are one thread block cluster (1 x splits x 1; block rank = split). Every block has left its
 // merged partial in its own shared memory (part_s: [16 MT][HD] floats; pml_s: [16 MT] (m, l)); blocks without keys
@@ -1024,10 +1028,10 @@ __device__ __forceinline__ void cluster_combine(const float *part_s, const float
         const int v = vec_base + vl;
         const int64_t idx = int64_t(gof.row(v)) * n_heads + kv_head * gof.group + gof.sub(v);
         bf16 *dst = out + idx * HD + d;
-        dst[0] = to_bf16(total > 0.f ? acc.x / total : 0.f);
-        dst[1] = to_bf16(total > 0.f ? acc.y / total : 0.f);
-        dst[2] = to_bf16(total > 0.f ? acc.z / total : 0.f);
-        dst[3] = to_bf16(total > 0.f ? acc.w / total : 0.f);
+        dst[0] = merged_out(acc.x, total);
+        dst[1] = merged_out(acc.y, total);
+        dst[2] = merged_out(acc.z, total);
+        dst[3] = merged_out(acc.w, total);
     }
     cluster_sync();  // the others have read this block's partial
 }
@@ -1052,6 +1056,9 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
     float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
     bf16 *own_k = reinterpret_cast<bf16 *>(wn_s + 2 * HD), *own_v = own_k + 16 * MT * kStride;  // RopeFold's rows
+    // CLUSTER: the block's merged partial for cluster_combine, over the merge buffers once they are read.
+    float *part_s = reinterpret_cast<float *>(tc_smem);                 // [16 MT][HD]
+    float2 *pml_s = reinterpret_cast<float2 *>(part_s + 16 * MT * HD);  // [16 MT] (m, l)
     if constexpr (FOLD) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
     const bool early = tc_entry(keys);
 
@@ -1071,9 +1078,8 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     if (int64_t(split) * kTcKeys >= key_end) {
         DFLASH_PROBE(g_probe_attention, 5);
         if constexpr (CLUSTER)  // no partial of its own; it merges its share of the others'
-            cluster_combine<HD, MT>(reinterpret_cast<const float *>(tc_smem),
-                                    reinterpret_cast<const float2 *>(tc_smem) + 16 * MT * HD / 2, key_end, split, nq,
-                                    n_heads, kv_head, gof, vec_base, tile_vecs, out);
+            cluster_combine<HD, MT>(part_s, pml_s, key_end, split, nq, n_heads, kv_head, gof, vec_base, tile_vecs,
+                                    out);
         return;
     }
     ChunkStager<HD, kThreads, FOLD> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
@@ -1220,8 +1226,6 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
                 acc[k] = merge_quarters<HD, MT>(o_s, ml_s, e / kQuads, (e % kQuads) * 4, bl[k].x, bl[k].y);
         }
         __syncthreads();
-        float *part_s = reinterpret_cast<float *>(tc_smem);             // [16 MT][HD]
-        float2 *pml_s = reinterpret_cast<float2 *>(part_s + 16 * MT * HD);  // [16 MT]
 #pragma unroll
         for (int k = 0; k < kItems; ++k) {
             const int e = threadIdx.x + k * kThreads;
@@ -1324,7 +1328,7 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
 #pragma unroll 16
         for (int sp = 0; sp < splits; ++sp)
             acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
-        out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
+        out[idx * hd + d] = merged_out(acc, total);
     }
     DFLASH_PROBE(g_probe_combine, 3);
 }
