@@ -49,9 +49,11 @@ namespace dflash {
 namespace cuda {
 bool gemm_wide_fits(const __nv_bfloat16 *x, int64_t M, int64_t ldx, const __nv_bfloat16 *w, bool w_tiled,
                     int64_t K);
-// DFLASH_ATTN_CLUSTER's override (-1 the switch, 0 off, 1 on) and its launch count, so the cluster cases run both.
+// DFLASH_ATTN_CLUSTER's override (-1 the switch, 0 off, 1 on) and its launch count, so the cluster cases run both;
+// the folded launches' count, so the rope_attention cases know they folded.
 int set_attention_cluster(int mode);
 int64_t attention_cluster_launches();
+int64_t attention_fold_launches();
 }  // namespace cuda
 }  // namespace dflash
 
@@ -1635,7 +1637,7 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
 // RopeFold). Against the host's composition: out and the rows' cache slots close. cuda's result against cuda's own
 // composition (the base class's rope_attention, called qualified): out and both caches equal bit for bit. The
 // rows' slots start NaN, so a kernel that stages them from the cache instead of computing them fails.
-void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
+void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_cluster = false) {
     g.run(cat("rope_attention: ", attn_desc(s, " ring-wrap"), norm ? "" : " no norm"), [&](Case &c) {
         PagedSetup p = make_paged(s, c.rng);
         const int64_t bs = DFLASH_KV_BLOCK_SIZE, n_heads = s.ratio * s.n_kv, hd = s.head_dim;
@@ -1677,7 +1679,20 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
                           download_bytes(be, bufs.k.get(), cache * act_size(be)),
                           download_bytes(be, bufs.v.get(), cache * act_size(be))};
         };
-        const Result host = run(*H, false), got = run(*C, false), composed = run(*C, true);
+        const Result host = run(*H, false);
+        const int64_t folds = cuda::attention_fold_launches(), clusters = cuda::attention_cluster_launches();
+        const Result got = run(*C, false);
+        const int64_t folded = cuda::attention_fold_launches() - folds,
+                      clustered = cuda::attention_cluster_launches() - clusters;
+        const Result composed = run(*C, true);
+        c.check(cuda::attention_fold_launches() == folds + folded, "the composition folded");
+        // With the fold on (test_ops' default) a call whose rows' vectors fit one query tile (64) must fold, else
+        // the case would compare the composition with itself.
+        const char *fold_env = std::getenv("DFLASH_ATTN_FOLD_ROPE");
+        const bool fold_on = fold_env && *fold_env && fold_env[0] != '0';
+        if (fold_on && s.nq * s.ratio <= 64) c.check(folded == 1, cat("the fold did not run (", folded, " launches)"));
+        if (!fold_on || s.nq * s.ratio > 64) c.check(folded == 0, cat("folded ", folded, " times"));
+        if (must_cluster) c.check(clustered == 1, cat("not clustered (", clustered, " clustered launches)"));
         c.close("out", decode(C->act_dtype(), got.out), decode(H->act_dtype(), host.out), kTolBf16);
         std::vector<float> rows_c, rows_h;  // the rows' k and v slots
         for (const Result *r : {&got, &host}) {
@@ -1834,8 +1849,8 @@ void test_attention() {
     // And with the clusters on: the folded RoPE's kernels (clustered where they fit) against the composition, and
     // verify rows against decode rows.
     cuda::set_attention_cluster(1);
-    run_rope_attention_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true);
-    run_rope_attention_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 1}, true);
+    run_rope_attention_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true, true);
+    run_rope_attention_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 1}, true, true);
     run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
     run_attention_rows_agree_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 0});
     run_attention_rows_agree_case(g, {3, 4, 2, 64, 1000, MASK_CAUSAL, false});

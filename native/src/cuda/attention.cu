@@ -1468,9 +1468,10 @@ constexpr auto tcq_kernel() {
 // DFLASH_ATTN_CLUSTER (read once; an A/B switch, off unless set to anything but 0): a key-quarter call whose grid
 // has 2 to 16 splits runs each kv head and query tile's splits as one thread block cluster that merges them itself
 // (cluster_combine), with no combine kernel, where the device keeps all the grid's clusters resident at once.
-// set_attention_cluster (test_ops) overrides the switch; attention_cluster_launches counts the clustered launches.
+// set_attention_cluster (test_ops) overrides the switch; attention_cluster_launches counts the clustered launches
+// (attention_fold_launches the folded ones, clustered or not: test_ops knows its rope_attention cases folded).
 std::atomic<int> g_cluster_override{-1};
-std::atomic<int64_t> g_cluster_launches{0};
+std::atomic<int64_t> g_cluster_launches{0}, g_fold_launches{0};
 bool cluster_requested() {
     const int forced = g_cluster_override.load();
     if (forced >= 0) return forced != 0;
@@ -1618,6 +1619,7 @@ bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64
 
 int set_attention_cluster(int mode) { return g_cluster_override.exchange(mode < 0 ? -1 : mode != 0); }
 int64_t attention_cluster_launches() { return g_cluster_launches.load(); }
+int64_t attention_fold_launches() { return g_fold_launches.load(); }
 
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
@@ -1688,11 +1690,15 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
                 pick(std::true_type{}, std::true_type{}, go_cluster);
             else
                 pick(std::false_type{}, std::true_type{}, go_cluster);
-            if (launched) return;
+            if (launched) {
+                if (fold) g_fold_launches.fetch_add(1);
+                return;
+            }
         }
-        if (fold)
+        if (fold) {
             pick(std::true_type{}, std::false_type{}, go_fold);
-        else
+            g_fold_launches.fetch_add(1);
+        } else
             pick(std::false_type{}, std::false_type{}, go);
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)

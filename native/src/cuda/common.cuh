@@ -214,6 +214,7 @@ __device__ __forceinline__ void pdl_prologue() {
 // Absent below sm_90, where no cluster launch is made.
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __syncwarp();  // .aligned: the warp's threads reach it together (callers may come from divergent loops)
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
