@@ -3,6 +3,7 @@ rot between device runs: the table's rows and the JSON, the end-to-end projectio
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,3 +111,31 @@ def test_prefill_flops_counts_gemms_attention_and_one_lm_head_row():
     # per row and layer: q/k/v 8 x (2 + 2) x 4 = 128, o 2 x 4 x 8 = 64, MLP 3 x 8 x 16 = 384 multiply-adds;
     # attention: rows 1 + 2 + 3 keys x 2 heads x 4 dims x 2 (q.k and p.v) = 96; lm_head 10 x 8 = 80
     assert bench.prefill_flops(base, 2, 3) == 2 * (2 * ((128 + 64 + 384) * 3 + 96) + 80)
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")
+def test_cubin_diff_tells_changed_kernels_from_unchanged(tmp_path):
+    """tools/cubin_diff.py's ELF reading and comparison on two real cubins: one kernel edited, one kept, one added."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import cubin_diff
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "k.cu"
+
+    def cubin(body):
+        src.write_text(body)
+        out = tmp_path / "k.cubin"
+        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", str(src), "-o", str(out)], check=True, timeout=300)
+        return cubin_diff.text_sections(out.read_bytes())
+
+    kept = "__global__ void kept(float *x) { x[threadIdx.x] *= 2.f; }\n"
+    old = cubin(kept + "__global__ void edited(float *x) { x[threadIdx.x] += 1.f; }\n")
+    new = cubin(kept + "__global__ void edited(float *x) { x[threadIdx.x] += 3.f; }\n"
+                "__global__ void added(float *x) { x[0] = 0.f; }\n")
+    assert all(name.startswith(".text.") for name in old) and len(old) == 2
+    got = {name: status for status, name in cubin_diff.compare(old, new)}
+    assert got == {".text._Z4keptPf": "same", ".text._Z6editedPf": "differs", ".text._Z5addedPf": "added"}
+    assert dict((n, s) for s, n in cubin_diff.compare(new, old))[".text._Z5addedPf"] == "removed"
+    with pytest.raises(ValueError):
+        cubin_diff.text_sections(b"not an elf file at all" * 4)
