@@ -1632,6 +1632,14 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
           });
 }
 
+// The current device's compute capability major (9: sm_90, where thread block clusters exist).
+int device_major() {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major;
+}
+
 // Backend::rope_attention: the attention inputs' step (qkv_norm_rope_write) and the attention in one call, the
 // call's rows the last keys (cuda folds the first into its attention kernel where one query tile holds the rows,
 // RopeFold). Against the host's composition: out and the rows' cache slots close. cuda's result against cuda's own
@@ -1690,12 +1698,9 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_
         // the case would compare the composition with itself.
         const char *fold_env = std::getenv("DFLASH_ATTN_FOLD_ROPE");
         const bool fold_on = fold_env && *fold_env && fold_env[0] != '0';
-        if (fold_on && s.nq * s.ratio <= 64) c.check(folded == 1, cat("the fold did not run (", folded, " launches)"));
-        if (!fold_on || s.nq * s.ratio > 64) c.check(folded == 0, cat("folded ", folded, " times"));
-        int device = 0, major = 0;  // clusters need sm_90 (as run_attention_cluster_case's `must`)
-        cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        if (must_cluster && major >= 9)
+        const int64_t folds_expected = fold_on && s.nq * s.ratio <= 64 ? 1 : 0;
+        c.check(folded == folds_expected, cat("folded ", folded, " times, ", folds_expected, " expected"));
+        if (must_cluster && device_major() >= 9)  // clusters need sm_90 (as run_attention_cluster_case's `must`)
             c.check(clustered == 1, cat("not clustered (", clustered, " clustered launches)"));
         c.close("out", decode(C->act_dtype(), got.out), decode(H->act_dtype(), host.out), kTolBf16);
         std::vector<float> rows_c, rows_h;  // the rows' k and v slots
@@ -1746,10 +1751,7 @@ void run_attention_cluster_case(Group &g, const AttnShape &s, bool must) {
             if (mode == 0) c.check(cuda::attention_cluster_launches() == before, "clustered with the clusters off");
             else clustered = cuda::attention_cluster_launches() - before;
         }
-        int device = 0, major = 0;
-        cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        if (must && major >= 9) c.check(clustered == 1, cat("ran clustered ", clustered, " times, 1 expected"));
+        if (must && device_major() >= 9) c.check(clustered == 1, cat("ran clustered ", clustered, " times, 1 expected"));
         if (!must) std::printf("    (%s clustered: %s)\n", attn_desc(s, "").c_str(), clustered ? "yes" : "no");
         c.equal("out, clustered vs the combine kernel", outs[1], outs[0]);
     });

@@ -1475,10 +1475,7 @@ std::atomic<int64_t> g_cluster_launches{0}, g_fold_launches{0};
 bool cluster_requested() {
     const int forced = g_cluster_override.load();
     if (forced >= 0) return forced != 0;
-    static const bool on = [] {
-        const char *v = std::getenv("DFLASH_ATTN_CLUSTER");
-        return v && *v && v[0] != '0';
-    }();
+    static const bool on = env_opt_in("DFLASH_ATTN_CLUSTER");
     return on;
 }
 
@@ -1651,6 +1648,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     // A fold is only asked for where attention_folds_rope said yes: the key-quarter kernel, one query tile.
     if (fold && (!tc || tc_kernel() != TcKernel::kQuarter || p.q_tiles != 1))
         fail(DFLASH_STATUS_INTERNAL, "cuda attention: a folded RoPE for ", nq, " rows this call cannot take");
+    if (fold) g_fold_launches.fetch_add(1);  // one folded launch below, clustered or not
     if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
@@ -1690,15 +1688,11 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
                 pick(std::true_type{}, std::true_type{}, go_cluster);
             else
                 pick(std::false_type{}, std::true_type{}, go_cluster);
-            if (launched) {
-                if (fold) g_fold_launches.fetch_add(1);
-                return;
-            }
+            if (launched) return;
         }
-        if (fold) {
+        if (fold)
             pick(std::true_type{}, std::false_type{}, go_fold);
-            g_fold_launches.fetch_add(1);
-        } else
+        else
             pick(std::false_type{}, std::false_type{}, go);
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
