@@ -28,7 +28,8 @@ namespace {
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
                                         // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
                                         // 7 S = Q K^T issued, 8 maxima published, 9 P published (6-9: the
-                                        // eight-warp kernel only; the key-quarter one stamps 0-5)
+                                        // eight-warp kernel only; the key-quarter one stamps 0-5, and its
+                                        // RopeFold kernels 10: the own keys and Q folded and staged)
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
@@ -258,7 +259,7 @@ struct ChunkStager {
     const PagedKeys &keys;
     const bf16 *kc, *vc;  // this kv head's first element in the caches
     int64_t kv_width, first0, stride, key_end;
-    // RopeFold: keys [own_begin, key_end) are the call's own rows', computed by stage_own into own_k_s / own_v_s
+    // RopeFold: keys [own_begin, key_end) are the call's own rows', computed by stage_folded (OwnItem) into own_k_s / own_v_s
     // (rows of kStride, row r: key own_begin + r); stage_kv copies them from there once those are set.
     int64_t own_begin;
     const bf16 *own_k_s = nullptr, *own_v_s = nullptr;
@@ -315,7 +316,7 @@ struct ChunkStager {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
             if constexpr (kOwn) {
-                if (first + j >= own_begin && first + j < key_end) {  // stage_own's
+                if (first + j >= own_begin && first + j < key_end) {  // stage_folded's
                     if (own_k_s) {
                         const int64_t r = first + j - own_begin;
                         *reinterpret_cast<uint4 *>(ks + j * kStride + piece * 8) =
@@ -871,15 +872,84 @@ struct FoldLane {
     }
 };
 
-// The Q tile as stage_q_tile stages it, from the raw q rows: each vector normed and rotated by one warp
-// (norm_rope_pairs' arithmetic: head_pairs_load, then head_pairs_finish), a warp's vectors' loads all issued first.
+// One of the call's own rows' key items (row r's k head or v head) that falls in this split's chunks, after the
+// wait: its global load issued by load(), then finish() writes it into own_k / own_v (row r: key own_begin + r),
+// into its cache slot (rope.cu's qkv_norm_rope_write_kernel writes the same values there) and, for chunk 0,
+// already staged without it (stage_first), into that stage too; the k head normed and rotated first (this
+// warp; the arithmetic of norm_rope_pairs), the v head copied. The later chunks copy theirs from own_k / own_v
+// (ChunkStager::stage_kv).
+template <int HD, int kThreads>
+struct OwnItem {
+    static constexpr int P = HD / 64, kStride = HD + kTcPad;
+    bool on = false, is_v = false;
+    int r = 0;
+    bf16 *dst = nullptr, *copy = nullptr, *staged = nullptr;
+    float a[P], b[P], ss = 0.f;
+    bf16 v[HD / 32];
+
+    // Item `it` (row it / 2; odd: its v head) of n_items, where this split attends it.
+    __device__ void load(const ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head, int split,
+                         bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, int it, int n_items, int lane) {
+        on = false;
+        if (it >= n_items) return;
+        r = it / 2;
+        const int64_t key = cs.own_begin + r;
+        if ((key / kTcKeys) % gridDim.y != split) return;  // another split's
+        on = true;
+        is_v = it & 1;
+        const int64_t slot = f.slots[r];
+        const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
+        copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
+        dst = (is_v ? own_v : own_k) + r * kStride;
+        const int64_t j = key - cs.first0;  // in chunk 0: its row there
+        staged = j < kTcKeys ? (is_v ? vs0 : ks0) + j * kStride : nullptr;
+        if (is_v) {
+#pragma unroll
+            for (int i = 0; i < HD / 32; ++i) v[i] = src[lane + 32 * i];
+        } else {
+            ss = head_pairs_load<P>(src, HD, lane, a, b);
+        }
+    }
+    __device__ void finish(const RopeFold &f, const float2 *rot_s, const float *wk_s, int lane) {
+        if (!on) return;
+        if (is_v) {
+#pragma unroll
+            for (int i = 0; i < HD / 32; ++i) {
+                dst[lane + 32 * i] = v[i];
+                if (staged) staged[lane + 32 * i] = v[i];
+                if (copy) copy[lane + 32 * i] = v[i];
+            }
+            return;
+        }
+        const FoldLane<HD> fl(rot_s, r, wk_s, lane);
+        head_pairs_finish<P>(a, b, ss, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, copy, lane);
+        if (staged) {
+            __syncwarp();
+            for (int d = lane; d < HD; d += 32) staged[d] = dst[d];
+        }
+    }
+};
+
+// After the wait: the call's own rows' keys that fall in this split's chunks (OwnItem, one warp per item) and
+// the Q tile as stage_q_tile stages it, from the raw q rows (each vector normed and rotated by one warp: the
+// arithmetic of norm_rope_pairs, head_pairs_load then head_pairs_finish). Every warp issues the global loads of
+// its first kOwnBatch own items and of its Q vectors before it finishes any of them, so the split that holds the
+// own keys (a verify's 16 rows: 32 items over 16 warps) pays one round trip, as the others do, not one per item
+// and one more for Q; further own items (more than kOwnBatch per warp) are loaded and finished one at a time.
 template <int HD, int kThreads, int MT>
-__device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t ldq, const GroupOf &gof,
-                                               int kv_head, int vec_base, int tile_vecs, int m_tiles,
-                                               const RopeFold &f, const float2 *rot_s, const float *wq_s) {
+__device__ __forceinline__ void stage_folded(ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head,
+                                             int split, bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, bf16 *q_s,
+                                             const bf16 *q, int64_t ldq, const GroupOf &gof, int vec_base,
+                                             int tile_vecs, int m_tiles, const float2 *rot_s, const float *wn_s) {
     constexpr int kStride = HD + kTcPad, kWarpsQ = kThreads / 32, kPer = (16 * MT + kWarpsQ - 1) / kWarpsQ;
-    constexpr int P = HD / 64;
+    constexpr int P = HD / 64, kOwnBatch = 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_items = 2 * int(cs.key_end - cs.own_begin);
+    const float *wq_s = wn_s, *wk_s = wn_s + HD;
+    OwnItem<HD, kThreads> own[kOwnBatch];
+#pragma unroll
+    for (int k = 0; k < kOwnBatch; ++k)
+        own[k].load(cs, f, kv_head, split, ks0, vs0, own_k, own_v, warp + k * kWarpsQ, n_items, lane);
     float a[kPer][P], b[kPer][P], ss[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -887,6 +957,13 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
         if (vl < tile_vecs)
             ss[k] = head_pairs_load<P>(q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD,
                                        HD, lane, a[k], b[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kOwnBatch; ++k) own[k].finish(f, rot_s, wk_s, lane);
+    for (int it = warp + kOwnBatch * kWarpsQ; it < n_items; it += kWarpsQ) {
+        OwnItem<HD, kThreads> more;
+        more.load(cs, f, kv_head, split, ks0, vs0, own_k, own_v, it, n_items, lane);
+        more.finish(f, rot_s, wk_s, lane);
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -900,50 +977,6 @@ __device__ __forceinline__ void stage_q_folded(bf16 *q_s, const bf16 *q, int64_t
         const FoldLane<HD> fl(rot_s, gof.row(vec_base + vl), wq_s, lane);
         head_pairs_finish<P>(a[k], b[k], ss[k], HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
                              lane);
-    }
-}
-
-// After the wait, the call's own rows' keys that fall in this split's chunks: one warp per (key, k or v), the k head
-// normed and rotated, the v head copied, into own_k / own_v (row r: key own_begin + r), into their cache slots
-// (rope.cu's qkv_norm_rope_write_kernel writes the same values there), and, for chunk 0, already staged without
-// them (stage_first), into its stage too. The later chunks copy theirs from own_k / own_v (ChunkStager::stage_kv).
-template <int HD, int kThreads>
-__device__ __forceinline__ void stage_own(ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head, int split,
-                                          bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, const float2 *rot_s,
-                                          const float *wk_s) {
-    constexpr int kStride = HD + kTcPad;
-    const int lane = threadIdx.x & 31;
-    const int n_own = int(cs.key_end - cs.own_begin);
-    for (int it = threadIdx.x >> 5; it < 2 * n_own; it += kThreads / 32) {
-        const int r = it / 2;
-        const int64_t key = cs.own_begin + r, chunk = key / kTcKeys;
-        if (chunk % gridDim.y != split) continue;  // another split's
-        const int64_t slot = f.slots[r];
-        const bool is_v = it & 1;
-        const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
-        bf16 *copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
-        bf16 *dst = (is_v ? own_v : own_k) + r * kStride;
-        const int64_t j = key - cs.first0;  // in chunk 0: its row there
-        bf16 *staged = j < kTcKeys ? (is_v ? vs0 : ks0) + j * kStride : nullptr;
-        if (!is_v) {
-            const FoldLane<HD> fl(rot_s, r, wk_s, lane);
-            norm_rope_pairs<HD / 64>(src, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, copy,
-                                     lane);
-            if (staged) {
-                __syncwarp();
-                for (int d = lane; d < HD; d += 32) staged[d] = dst[d];
-            }
-            continue;
-        }
-        bf16 vals[HD / 32];
-#pragma unroll
-        for (int i = 0; i < HD / 32; ++i) vals[i] = src[lane + 32 * i];
-#pragma unroll
-        for (int i = 0; i < HD / 32; ++i) {
-            dst[lane + 32 * i] = vals[i];
-            if (staged) staged[lane + 32 * i] = vals[i];
-            if (copy) copy[lane + 32 * i] = vals[i];
-        }
     }
     cs.own_k_s = own_k;
     cs.own_v_s = own_v;
@@ -1059,6 +1092,7 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     // CLUSTER: the block's merged partial for cluster_combine, over the merge buffers once they are read.
     float *part_s = reinterpret_cast<float *>(tc_smem);                 // [16 MT][HD]
     float2 *pml_s = reinterpret_cast<float2 *>(part_s + 16 * MT * HD);  // [16 MT] (m, l)
+    DFLASH_PROBE(g_probe_attention, 0);
     if constexpr (FOLD) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
     const bool early = tc_entry(keys);
 
@@ -1087,8 +1121,9 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     if constexpr (FOLD) {
-        stage_own<HD, kThreads>(cs, fold, kv_head, split, sm.k(0), sm.v(0), own_k, own_v, rot_s, wn_s + HD);
-        stage_q_folded<HD, kThreads, MT>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles, fold, rot_s, wn_s);
+        stage_folded<HD, kThreads, MT>(cs, fold, kv_head, split, sm.k(0), sm.v(0), own_k, own_v, q_s, q, ldq, gof,
+                                       vec_base, tile_vecs, m_tiles, rot_s, wn_s);
+        DFLASH_PROBE(g_probe_attention, 10);
     } else {
         stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     }
