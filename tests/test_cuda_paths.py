@@ -203,15 +203,6 @@ def test_cuda_speculative_equals_cuda_autoregressive_rope_folded():
     _lossless_in_a_process({"DFLASH_ATTN_FOLD_ROPE": "1"})
 
 
-def test_cuda_speculative_equals_cuda_autoregressive_clustered():
-    """The long-prompt lossless cases again in a process whose key-quarter attention merges its splits in thread block
-    clusters instead of a combine kernel (DFLASH_ATTN_CLUSTER=1, with the folded RoPE too; not the default): a row
-    verified in a block must still equal the row decoded alone."""
-    if SHARED_GPU:
-        pytest.skip("numeric only; test_ops' cluster cases compare the two paths bit for bit")
-    _lossless_in_a_process({"DFLASH_ATTN_CLUSTER": "1", "DFLASH_ATTN_FOLD_ROPE": "1"})
-
-
 def _python_in_a_process(env_overrides, args):
     """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess

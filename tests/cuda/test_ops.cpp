@@ -49,10 +49,7 @@ namespace dflash {
 namespace cuda {
 bool gemm_wide_fits(const __nv_bfloat16 *x, int64_t M, int64_t ldx, const __nv_bfloat16 *w, bool w_tiled,
                     int64_t K);
-// DFLASH_ATTN_CLUSTER's override (-1 the switch, 0 off, 1 on) and its launch count, so the cluster cases run both;
-// the folded launches' count, so the rope_attention cases know they folded.
-int set_attention_cluster(int mode);
-int64_t attention_cluster_launches();
+// The folded launches' count, so the rope_attention cases know they folded.
 int64_t attention_fold_launches();
 }  // namespace cuda
 }  // namespace dflash
@@ -1632,20 +1629,12 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
           });
 }
 
-// The current device's compute capability major (9: sm_90, where thread block clusters exist).
-int device_major() {
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major;
-}
-
 // Backend::rope_attention: the attention inputs' step (qkv_norm_rope_write) and the attention in one call, the
 // call's rows the last keys (cuda folds the first into its attention kernel where one query tile holds the rows,
 // RopeFold). Against the host's composition: out and the rows' cache slots close. cuda's result against cuda's own
 // composition (the base class's rope_attention, called qualified): out and both caches equal bit for bit. The
 // rows' slots start NaN, so a kernel that stages them from the cache instead of computing them fails.
-void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_cluster = false) {
+void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
     g.run(cat("rope_attention: ", attn_desc(s, " ring-wrap"), norm ? "" : " no norm"), [&](Case &c) {
         PagedSetup p = make_paged(s, c.rng);
         const int64_t bs = DFLASH_KV_BLOCK_SIZE, n_heads = s.ratio * s.n_kv, hd = s.head_dim;
@@ -1688,10 +1677,9 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_
                           download_bytes(be, bufs.v.get(), cache * act_size(be))};
         };
         const Result host = run(*H, false);
-        const int64_t folds = cuda::attention_fold_launches(), clusters = cuda::attention_cluster_launches();
+        const int64_t folds = cuda::attention_fold_launches();
         const Result got = run(*C, false);
-        const int64_t folded = cuda::attention_fold_launches() - folds,
-                      clustered = cuda::attention_cluster_launches() - clusters;
+        const int64_t folded = cuda::attention_fold_launches() - folds;
         const Result composed = run(*C, true);
         c.check(cuda::attention_fold_launches() == folds + folded, "the composition folded");
         // With the fold on (test_ops' default) a call whose rows' vectors fit one query tile (64) must fold, else
@@ -1700,8 +1688,6 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_
         const bool fold_on = fold_env && *fold_env && fold_env[0] != '0';
         const int64_t folds_expected = fold_on && s.nq * s.ratio <= 64 ? 1 : 0;
         c.check(folded == folds_expected, cat("folded ", folded, " times, ", folds_expected, " expected"));
-        if (must_cluster && device_major() >= 9)  // clusters need sm_90 (as run_attention_cluster_case's `must`)
-            c.check(clustered == 1, cat("not clustered (", clustered, " clustered launches)"));
         c.close("out", decode(C->act_dtype(), got.out), decode(H->act_dtype(), host.out), kTolBf16);
         std::vector<float> rows_c, rows_h;  // the rows' k and v slots
         for (const Result *r : {&got, &host}) {
@@ -1718,42 +1704,6 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm, bool must_
         c.equal("out, cuda vs cuda's composition", got.out, composed.out);
         c.equal("k_cache, cuda vs cuda's composition", got.k, composed.k);
         c.equal("v_cache, cuda vs cuda's composition", got.v, composed.v);
-    });
-}
-
-// DFLASH_ATTN_CLUSTER: the splits merged by thread block clusters in the key-quarter kernel
-// (attention_tcq_cluster_kernel) against the combine kernel, in one process (cuda::set_attention_cluster): out equal
-// bit for bit (the clusters merge with the combine's arithmetic in its order). Whether a call runs clustered is the
-// device's (every cluster resident at once, cudaOccupancyMaxActiveClusters); `must` says this shape has to on an
-// sm_90+ device (a few kv heads, 16 or fewer splits), else the case only reports it.
-void run_attention_cluster_case(Group &g, const AttnShape &s, bool must) {
-    g.run("clusters vs the combine: " + attn_desc(s, " ring-wrap"), [&](Case &c) {
-        const PagedSetup p = make_paged(s, c.rng);
-        const int64_t n_heads = s.ratio * s.n_kv, q_width = n_heads * s.head_dim;
-        const std::vector<float> q = c.rng.bf16_normal(size_t(s.nq * q_width));
-        const float scale = 1.f / std::sqrt(float(s.head_dim));
-        const size_t out_bytes = size_t(s.nq * q_width) * act_size(*C);
-        Backend &be = *C;
-        const PagedBuffers bufs(be, p);
-        DeviceBuffer qb = upload_act(be, q);
-        std::vector<uint8_t> outs[2];
-        int64_t clustered = 0;
-        for (int mode = 0; mode < 2; ++mode) {
-            cuda::set_attention_cluster(mode);
-            const int64_t before = cuda::attention_cluster_launches();
-            DeviceBuffer out = poisoned(be, out_bytes);
-            const ShapeKeys sk(be, bufs, p, s);
-            be.attention(qb.get(), q_width, s.nq, bufs.qpos.as<int32_t>(), n_heads, s.n_kv, s.head_dim, scale, p.mask,
-                         sk.keys, out.get());
-            sync(be);
-            cuda::set_attention_cluster(-1);
-            outs[mode] = download_bytes(be, out.get(), out_bytes);
-            if (mode == 0) c.check(cuda::attention_cluster_launches() == before, "clustered with the clusters off");
-            else clustered = cuda::attention_cluster_launches() - before;
-        }
-        if (must && device_major() >= 9) c.check(clustered == 1, cat("ran clustered ", clustered, " times, 1 expected"));
-        if (!must) std::printf("    (%s clustered: %s)\n", attn_desc(s, "").c_str(), clustered ? "yes" : "no");
-        c.equal("out, clustered vs the combine kernel", outs[1], outs[0]);
     });
 }
 
@@ -1842,25 +1792,11 @@ void test_attention() {
     run_rope_attention_case(g, {16, 4, 2, 128, 70, MASK_CAUSAL, false}, true);
     run_rope_attention_case(g, {16, 4, 2, 128, 16, MASK_NONE, false, 0, 16, 16}, true);
     run_rope_attention_case(g, {33, 4, 2, 64, 300, MASK_CAUSAL, false, 0, 64, 33}, false);
-    // Clusters against the combine: 16 splits (1000 keys, 2 kv heads) and 8 (500), verify, decode and a 7-row call,
-    // head_dim 128 and 64, a window, fresh rows; splits without keys (a large ring, the count on the device); the
-    // Qwen3-8B verify and decode shapes (8 kv heads x 16 splits: clustered where the device holds them at once).
-    run_attention_cluster_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true);
-    run_attention_cluster_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false}, true);
-    run_attention_cluster_case(g, {7, 2, 2, 64, 500, MASK_CAUSAL_WINDOW, true}, true);
-    run_attention_cluster_case(g, {16, 4, 2, 64, 1000, MASK_NONE, false, 0, 16, 23}, true);
-    run_attention_cluster_case(g, {16, 4, 2, 128, 200, MASK_CAUSAL, false, 1000, 16, 16}, true);
-    run_attention_cluster_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, false);
-    run_attention_cluster_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1}, false);
-    // And with the clusters on: the folded RoPE's kernels (clustered where they fit) against the composition, and
-    // verify rows against decode rows.
-    cuda::set_attention_cluster(1);
-    run_rope_attention_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true, true);
-    run_rope_attention_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 1}, true, true);
+    // The fold where a split holds the rows' keys among others (16 splits over 1000 keys) and the Qwen3-8B verify
+    // shape (8 kv heads, the rows' count on the device).
+    run_rope_attention_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true);
+    run_rope_attention_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 1}, true);
     run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
-    run_attention_rows_agree_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 0});
-    run_attention_rows_agree_case(g, {3, 4, 2, 64, 1000, MASK_CAUSAL, false});
-    cuda::set_attention_cluster(-1);
 }
 
 // ----------------------------------------------------------------------------------------------

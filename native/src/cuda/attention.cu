@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1011,72 +1010,16 @@ __device__ __forceinline__ float4 merge_quarters(const float *o_s, const float2 
 }
 
 // A merged output element: the splits' weighted sum over their weighted l (0 where no key was visible), in bf16;
-// attention_combine_kernel's and cluster_combine's last step.
+// attention_combine_kernel's last step.
 __device__ __forceinline__ bf16 merged_out(float acc, float total) { return to_bf16(total > 0.f ? acc / total : 0.f); }
 
-// DFLASH_ATTN_CLUSTER's end of a key-quarter block (attention_tcq_cluster_kernel): the grid's splits of one kv head
-// and query tile are one thread block cluster (1 x splits x 1; block rank = split). Every block has left its
-// merged partial in its own shared memory (part_s: [16 MT][HD] floats; pml_s: [16 MT] (m, l)); blocks without keys
-// left nothing and are never read. After a cluster barrier, block `split` merges its share of the tile's (vector,
-// 4 dims) items over the splits that hold keys, reading the other blocks' partials through distributed shared
-// memory, with attention_combine_kernel's arithmetic in its order (so the output is the combine's, bit for bit),
-// and writes bf16 to out; a second barrier keeps every block's shared memory until the others have read it.
-constexpr int kMaxClusterSplits = 16;  // a cluster's blocks (8 portable; 16 with the non-portable opt-in)
-template <int HD, int MT>
-__device__ __forceinline__ void cluster_combine(const float *part_s, const float2 *pml_s, int64_t key_end, int split,
-                                                int nq, int n_heads, int kv_head, const GroupOf &gof, int vec_base,
-                                                int tile_vecs, bf16 *out) {
-    constexpr int kThreads = kTqQuarters * MT * 32;
-    constexpr int kQuads = HD / 4;
-    const int splits = int(min(int64_t(gridDim.y), (key_end + kTcKeys - 1) / kTcKeys));
-    // A block without keys never waited: its writes to out below must not race the kernels before this one
-    // (out is an earlier kernel's input too). Returns at once where the block has waited.
-    pdl_wait();
-    cluster_sync();  // every block's partial is written
-    const int items = tile_vecs * kQuads, share = (items + int(gridDim.y) - 1) / int(gridDim.y);
-    const int end = min(items, (split + 1) * share);
-    for (int e = split * share + threadIdx.x; e < end; e += kThreads) {
-        const int vl = e / kQuads, d = (e % kQuads) * 4;
-        float2 ml[kMaxClusterSplits];
-        float best = -INFINITY;
-#pragma unroll
-        for (int sp = 0; sp < kMaxClusterSplits; ++sp)
-            if (sp < splits) {
-                ml[sp] = *cluster_peer(pml_s + vl, unsigned(sp));
-                best = fmaxf(best, ml[sp].x);
-            }
-        float total = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int sp = 0; sp < kMaxClusterSplits; ++sp)
-            if (sp < splits) {
-                const float w = ml[sp].x == -INFINITY ? 0.f : __expf(ml[sp].x - best);
-                total = fmaf(ml[sp].y, w, total);
-                const float4 x = *reinterpret_cast<const float4 *>(cluster_peer(part_s + vl * HD + d, unsigned(sp)));
-                acc.x = fmaf(x.x, w, acc.x);
-                acc.y = fmaf(x.y, w, acc.y);
-                acc.z = fmaf(x.z, w, acc.z);
-                acc.w = fmaf(x.w, w, acc.w);
-            }
-        const int v = vec_base + vl;
-        const int64_t idx = int64_t(gof.row(v)) * n_heads + kv_head * gof.group + gof.sub(v);
-        bf16 *dst = out + idx * HD + d;
-        dst[0] = merged_out(acc.x, total);
-        dst[1] = merged_out(acc.y, total);
-        dst[2] = merged_out(acc.z, total);
-        dst[3] = merged_out(acc.w, total);
-    }
-    cluster_sync();  // the others have read this block's partial
-}
-
-// The key-quarter kernel's body; FOLD: with RopeFold (attention_tcq_fold_kernel), else as it was before the fold
-// (attention_tcq_kernel, the default); CLUSTER: the splits merged in the kernel (cluster_combine, into out), else
-// partials for attention_combine_kernel (out_part, ml_part).
-template <int HD, int MT, bool FOLD, bool CLUSTER = false>
+// The key-quarter kernel's body, partials for attention_combine_kernel (out_part, ml_part); FOLD: with RopeFold
+// (attention_tcq_fold_kernel), else as it was before the fold (attention_tcq_kernel, the default).
+template <int HD, int MT, bool FOLD>
 __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions, int n_heads,
                                          int n_kv_heads, float scale, bool causal, int32_t window,
                                          const PagedKeys &keys, float *out_part, Split *ml_part,
-                                         const RopeFold &fold, bf16 *out = nullptr) {
+                                         const RopeFold &fold) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
     constexpr int kStride = HD + kTcPad;
@@ -1089,9 +1032,6 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
     float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
     bf16 *own_k = reinterpret_cast<bf16 *>(wn_s + 2 * HD), *own_v = own_k + 16 * MT * kStride;  // RopeFold's rows
-    // CLUSTER: the block's merged partial for cluster_combine, over the merge buffers once they are read.
-    float *part_s = reinterpret_cast<float *>(tc_smem);                 // [16 MT][HD]
-    float2 *pml_s = reinterpret_cast<float2 *>(part_s + 16 * MT * HD);  // [16 MT] (m, l)
     DFLASH_PROBE(g_probe_attention, 0);
     if constexpr (FOLD) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
     const bool early = tc_entry(keys);
@@ -1111,9 +1051,6 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     const int64_t key_end = key_count(keys);
     if (int64_t(split) * kTcKeys >= key_end) {
         DFLASH_PROBE(g_probe_attention, 5);
-        if constexpr (CLUSTER)  // no partial of its own; it merges its share of the others'
-            cluster_combine<HD, MT>(part_s, pml_s, key_end, split, nq, n_heads, kv_head, gof, vec_base, tile_vecs,
-                                    out);
         return;
     }
     ChunkStager<HD, kThreads, FOLD> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
@@ -1248,39 +1185,14 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     }
     __syncthreads();
     constexpr int kQuads = HD / 4;
-    if constexpr (CLUSTER) {
-        // The block's merged partial into its shared memory (over the merge buffers, once every thread has read
-        // them: each thread holds its items, HD / 32 at most), then the cluster's merge.
-        constexpr int kItems = (16 * MT * kQuads + kThreads - 1) / kThreads;
-        float4 acc[kItems];
-        float2 bl[kItems];
-#pragma unroll
-        for (int k = 0; k < kItems; ++k) {
-            const int e = threadIdx.x + k * kThreads;
-            if (e < tile_vecs * kQuads)
-                acc[k] = merge_quarters<HD, MT>(o_s, ml_s, e / kQuads, (e % kQuads) * 4, bl[k].x, bl[k].y);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < kItems; ++k) {
-            const int e = threadIdx.x + k * kThreads;
-            if (e < tile_vecs * kQuads) {
-                const int vl = e / kQuads, d = (e % kQuads) * 4;
-                *reinterpret_cast<float4 *>(part_s + vl * HD + d) = acc[k];
-                if (d == 0) pml_s[vl] = bl[k];
-            }
-        }
-        cluster_combine<HD, MT>(part_s, pml_s, key_end, split, nq, n_heads, kv_head, gof, vec_base, tile_vecs, out);
-    } else {
-        for (int e = threadIdx.x; e < tile_vecs * kQuads; e += kThreads) {
-            const int vl = e / kQuads, d = (e % kQuads) * 4;
-            float best, lsum;
-            const float4 acc = merge_quarters<HD, MT>(o_s, ml_s, vl, d, best, lsum);
-            const int v = vec_base + vl;
-            const int64_t idx = (int64_t(split) * nq + gof.row(v)) * n_heads + kv_head * group + gof.sub(v);
-            *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
-            if (d == 0) ml_part[idx] = Split{best, lsum};
-        }
+    for (int e = threadIdx.x; e < tile_vecs * kQuads; e += kThreads) {
+        const int vl = e / kQuads, d = (e % kQuads) * 4;
+        float best, lsum;
+        const float4 acc = merge_quarters<HD, MT>(o_s, ml_s, vl, d, best, lsum);
+        const int v = vec_base + vl;
+        const int64_t idx = (int64_t(split) * nq + gof.row(v)) * n_heads + kv_head * group + gof.sub(v);
+        *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
+        if (d == 0) ml_part[idx] = Split{best, lsum};
     }
     DFLASH_PROBE(g_probe_attention, 4);
 }
@@ -1292,16 +1204,6 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
                      PagedKeys keys, float *out_part, Split *ml_part) {
     tcq_body<HD, MT, false>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, out_part,
                             ml_part, RopeFold{});
-}
-
-// DFLASH_ATTN_CLUSTER's kernels (FOLD: RopeFold's too): launched in clusters of the grid's splits, no combine.
-template <int HD, int MT, bool FOLD>
-__global__ void __launch_bounds__(kTqQuarters * MT * 32)
-attention_tcq_cluster_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
-                             int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                             PagedKeys keys, RopeFold fold, bf16 *out) {
-    tcq_body<HD, MT, FOLD, true>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, nullptr,
-                                 nullptr, fold, out);
 }
 
 template <int HD, int MT>
@@ -1491,79 +1393,15 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// A key-quarter kernel: attention_tcq_cluster_kernel<HD, MT, FOLD> (CLUSTER), else attention_tcq_fold_kernel<HD, MT>
-// (FOLD, RopeFold's) or attention_tcq_kernel<HD, MT>.
-template <int HD, int MT, bool FOLD, bool CLUSTER = false>
+// A key-quarter kernel: attention_tcq_fold_kernel<HD, MT> (FOLD, RopeFold's) or attention_tcq_kernel<HD, MT>.
+template <int HD, int MT, bool FOLD>
 constexpr auto tcq_kernel() {
-    if constexpr (CLUSTER) return attention_tcq_cluster_kernel<HD, MT, FOLD>;
-    else if constexpr (FOLD) return attention_tcq_fold_kernel<HD, MT>;
+    if constexpr (FOLD) return attention_tcq_fold_kernel<HD, MT>;
     else return attention_tcq_kernel<HD, MT>;
 }
 
-// DFLASH_ATTN_CLUSTER (read once; an A/B switch, off unless set to anything but 0): a key-quarter call whose grid
-// has 2 to 16 splits runs each kv head and query tile's splits as one thread block cluster that merges them itself
-// (cluster_combine), with no combine kernel, where the device keeps all the grid's clusters resident at once.
-// set_attention_cluster (test_ops) overrides the switch; attention_cluster_launches counts the clustered launches
-// (attention_fold_launches the folded ones, clustered or not: test_ops knows its rope_attention cases folded).
-std::atomic<int> g_cluster_override{-1};
-std::atomic<int64_t> g_cluster_launches{0}, g_fold_launches{0};
-bool cluster_requested() {
-    const int forced = g_cluster_override.load();
-    if (forced >= 0) return forced != 0;
-    static const bool on = env_opt_in("DFLASH_ATTN_CLUSTER");
-    return on;
-}
-
-// Whether `kernel` (threads, smem) runs `grid` in clusters of its splits (1 x grid.y x 1) with every cluster resident
-// at once (cudaOccupancyMaxActiveClusters, on the device current at the first ask; kept per kernel and shape).
-// Sets the kernel's shared-memory opt-in, and the non-portable cluster size past 8 blocks.
-template <typename Kernel>
-bool cluster_fits(Kernel kernel, int threads, size_t smem, dim3 grid) {
-    struct Seen {
-        const void *kernel;
-        int threads;
-        size_t smem;
-        unsigned x, y, z;
-        bool fits;
-    };
-    static std::mutex mu;
-    static std::vector<Seen> seen;
-    const std::lock_guard<std::mutex> lock(mu);
-    const void *k = reinterpret_cast<const void *>(kernel);
-    for (const Seen &e : seen)
-        if (e.kernel == k && e.threads == threads && e.smem == smem && e.x == grid.x && e.y == grid.y && e.z == grid.z)
-            return e.fits;
-    bool fits = false;
-    int device = 0, major = 0;
-    DFLASH_CUDA_CHECK(cudaGetDevice(&device));
-    DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major >= 9 && grid.y >= 2 && grid.y <= unsigned(kMaxClusterSplits)) {
-        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        if (grid.y > 8) DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1;
-        attr.val.clusterDim.y = grid.y;
-        attr.val.clusterDim.z = 1;
-        cudaLaunchConfig_t config = {};
-        config.gridDim = grid;
-        config.blockDim = dim3(unsigned(threads));
-        config.dynamicSmemBytes = smem;
-        config.attrs = &attr;
-        config.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess)
-            fits = int64_t(clusters) >= int64_t(grid.x) * grid.z;
-        else
-            (void)cudaGetLastError();  // a size the device cannot run: not clustered
-        // Once per shape, so an A/B of the switch says what it ran.
-        std::fprintf(stderr, "dflash: DFLASH_ATTN_CLUSTER: grid %ux%ux%u, %d threads, %zu B shared: %d clusters of %u "
-                     "resident at once, %u needed: %s\n", grid.x, grid.y, grid.z, threads, smem, clusters, grid.y,
-                     grid.x * grid.z, fits ? "clustered" : "not clustered (the combine kernel)");
-    }
-    seen.push_back(Seen{k, threads, smem, grid.x, grid.y, grid.z, fits});
-    return fits;
-}
+// attention_fold_launches: the folded launches (RopeFold) so far (test_ops knows its rope_attention cases folded).
+std::atomic<int64_t> g_fold_launches{0};
 
 // The key-quarter kernels' shared-memory opt-ins (FOLD: RopeFold's), once per process and family (for the device
 // current then). Returns whether the family's largest instantiation fits (138 KB; 156 KB folded).
@@ -1649,8 +1487,6 @@ bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64
            (keys.fresh_keys < 0 || keys.fresh_keys >= nq);
 }
 
-int set_attention_cluster(int mode) { return g_cluster_override.exchange(mode < 0 ? -1 : mode != 0); }
-int64_t attention_cluster_launches() { return g_cluster_launches.load(); }
 int64_t attention_fold_launches() { return g_fold_launches.load(); }
 
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
@@ -1683,7 +1519,7 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
     // A fold is only asked for where attention_folds_rope said yes: the key-quarter kernel, one query tile.
     if (fold && (!tc || tc_kernel() != TcKernel::kQuarter || p.q_tiles != 1))
         fail(DFLASH_STATUS_INTERNAL, "cuda attention: a folded RoPE for ", nq, " rows this call cannot take");
-    if (fold) g_fold_launches.fetch_add(1);  // one folded launch below, clustered or not
+    if (fold) g_fold_launches.fetch_add(1);  // one folded launch below
     if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
@@ -1692,43 +1528,25 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                    mask.causal, mask.window, keys, out_part, ml_part, *fold);
         };
-        // The kernel for mt (RopeFold's where `fold`; the cluster family where `cluster_tag`), launched by launch_it.
-        auto pick = [&](auto fold_tag, auto cluster_tag, auto launch_it) {
-            constexpr bool kFold = decltype(fold_tag)::value, kCl = decltype(cluster_tag)::value;
+        // The kernel for mt (RopeFold's where `fold`), launched by launch_it.
+        auto pick = [&](auto fold_tag, auto launch_it) {
+            constexpr bool kFold = decltype(fold_tag)::value;
             auto by_mt = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
                 if (mt <= 1) launch_it(k1, kTqQuarters * 32, b1);
                 else if (mt == 2) launch_it(k2, 2 * kTqQuarters * 32, b2);
                 else launch_it(k4, 4 * kTqQuarters * 32, b4);
             };
             if (head_dim == 128)
-                by_mt(tcq_kernel<128, 1, kFold, kCl>(), tcq_kernel<128, 2, kFold, kCl>(),
-                      tcq_kernel<128, 4, kFold, kCl>(), tq_smem_bytes<128, 1, kFold>(),
-                      tq_smem_bytes<128, 2, kFold>(), tq_smem_bytes<128, 4, kFold>());
+                by_mt(tcq_kernel<128, 1, kFold>(), tcq_kernel<128, 2, kFold>(), tcq_kernel<128, 4, kFold>(),
+                      tq_smem_bytes<128, 1, kFold>(), tq_smem_bytes<128, 2, kFold>(), tq_smem_bytes<128, 4, kFold>());
             else
-                by_mt(tcq_kernel<64, 1, kFold, kCl>(), tcq_kernel<64, 2, kFold, kCl>(), tcq_kernel<64, 4, kFold, kCl>(),
+                by_mt(tcq_kernel<64, 1, kFold>(), tcq_kernel<64, 2, kFold>(), tcq_kernel<64, 4, kFold>(),
                       tq_smem_bytes<64, 1, kFold>(), tq_smem_bytes<64, 2, kFold>(), tq_smem_bytes<64, 4, kFold>());
         };
-        // DFLASH_ATTN_CLUSTER: the splits merged in clusters, where they fit; no combine kernel then.
-        if (cluster_requested() && p.splits >= 2 && p.splits <= kMaxClusterSplits) {
-            bool launched = false;
-            auto go_cluster = [&](auto kernel, int threads, size_t smem) {
-                if (!cluster_fits(kernel, threads, smem, grid)) return;
-                launch_ex(kernel, grid, threads, smem, s, dim3(1, unsigned(p.splits), 1), q, ldq, int(nq),
-                          q_positions, int(n_heads), int(n_kv_heads), scale, mask.causal, mask.window, keys,
-                          fold ? *fold : RopeFold{}, out);
-                g_cluster_launches.fetch_add(1);
-                launched = true;
-            };
-            if (fold)
-                pick(std::true_type{}, std::true_type{}, go_cluster);
-            else
-                pick(std::false_type{}, std::true_type{}, go_cluster);
-            if (launched) return;
-        }
         if (fold)
-            pick(std::true_type{}, std::false_type{}, go_fold);
+            pick(std::true_type{}, go_fold);
         else
-            pick(std::false_type{}, std::false_type{}, go);
+            pick(std::false_type{}, go);
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());

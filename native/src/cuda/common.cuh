@@ -208,28 +208,6 @@ __device__ __forceinline__ void pdl_prologue() {
     pdl_wait();
 }
 
-// Thread block clusters (sm_90+; a kernel launched in clusters, launch_ex's `cluster`): a barrier of
-// every thread of every block of the cluster, whose shared-memory writes before it are visible to the cluster's
-// reads after it (release / acquire), and another block's shared memory (distributed shared memory, cluster_peer).
-// Absent below sm_90, where no cluster launch is made.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __syncwarp();  // .aligned: the warp's threads reach it together (callers may come from divergent loops)
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// Block `rank`'s copy of this block's shared variable *p, as a generic address (plain loads read it).
-template <typename T>
-__device__ __forceinline__ const T *cluster_peer(const T *p, unsigned rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint64_t out;
-    asm("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-    return reinterpret_cast<const T *>(out);
-#else
-    return p;
-#endif
-}
-
 // The phase probe (off unless the build defines DFLASH_PHASE_PROBE: cmake -DDFLASH_PHASE_PROBE=ON, for
 // tools/gemm_chain_bench --probe): a probed kernel's thread 0 stamps %globaltimer at fixed points of its block
 // into its translation unit's table (row: the block's linear index, column: the point), so a tool sees where
@@ -338,20 +316,18 @@ int smem_carveout();
 
 // kernel<<<grid, block, smem, s>>>(args...), or the same through cudaLaunchKernelEx with
 // programmatic stream serialization where pdl_enabled() and the carveout where smem_carveout() asks for one; a bad
-// configuration throws here. launch_ex: the same in thread block clusters of `cluster` blocks (sm_90+; the
-// grid a multiple of it), always through cudaLaunchKernelEx.
+// configuration throws here.
 template <typename... Params, typename... Args>
-void launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, dim3 cluster,
-               Args &&...args) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            Args &&...args) {
     const bool pdl = pdl_enabled();
     const int carveout = smem_carveout();
-    const bool clustered = cluster.x * cluster.y * cluster.z > 1;
-    if (!pdl && carveout < 0 && !clustered) {
+    if (!pdl && carveout < 0) {
         kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
         DFLASH_CUDA_LAUNCHED();
         return;
     }
-    cudaLaunchAttribute attr[3];
+    cudaLaunchAttribute attr[2];
     unsigned n_attrs = 0;
     if (pdl) {
         attr[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -361,12 +337,6 @@ void launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cu
         attr[n_attrs].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
         attr[n_attrs++].val.sharedMemCarveout = unsigned(carveout);
     }
-    if (clustered) {
-        attr[n_attrs].id = cudaLaunchAttributeClusterDimension;
-        attr[n_attrs].val.clusterDim.x = cluster.x;
-        attr[n_attrs].val.clusterDim.y = cluster.y;
-        attr[n_attrs++].val.clusterDim.z = cluster.z;
-    }
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
@@ -375,10 +345,6 @@ void launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cu
     config.attrs = attr;
     config.numAttrs = n_attrs;
     DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&...args) {
-    launch_ex(kernel, grid, block, smem, s, dim3(1, 1, 1), std::forward<Args>(args)...);
 }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -125,11 +125,7 @@ struct RopeFold {
     bf16 *k_cache = nullptr, *v_cache = nullptr;
 };
 bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys);
-// DFLASH_ATTN_CLUSTER's setting for this process: -1 the switch (the default), 0 off, 1 on; returns the previous
-// setting (test_ops compares both ways in one process). attention_cluster_launches: the clustered launches so far;
-// attention_fold_launches: the folded ones (RopeFold), clustered or not.
-int set_attention_cluster(int mode);
-int64_t attention_cluster_launches();
+// The folded launches (RopeFold) so far (test_ops checks that its rope_attention cases folded).
 int64_t attention_fold_launches();
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
