@@ -194,15 +194,6 @@ def test_cuda_speculative_equals_cuda_autoregressive_eight_warp_attention():
     _lossless_in_a_process({"DFLASH_ATTN_WARPS": "8"})
 
 
-def test_cuda_speculative_equals_cuda_autoregressive_rope_folded():
-    """The long-prompt lossless cases again in a process whose key-quarter attention folds the q/k norm, RoPE and
-    cache writes in (DFLASH_ATTN_FOLD_ROPE=1; not the default yet): a row verified in a block must still equal the
-    row decoded alone."""
-    if SHARED_GPU:
-        pytest.skip("numeric only; test_ops' rope_attention cases compare the two paths bit for bit")
-    _lossless_in_a_process({"DFLASH_ATTN_FOLD_ROPE": "1"})
-
-
 def _python_in_a_process(env_overrides, args):
     """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess

@@ -8,7 +8,7 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
-//                              [--sweep] [--noncausal] [--fold] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]
+//                              [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
 // --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
@@ -16,13 +16,12 @@
 // step; --sweep (with --ctx) times the chain without the phase, with only its rope kernel, with only attention
 // and the combine, and whole, in one process (what each kernel adds per layer). The library's switches apply
 // (DFLASH_PDL=0, DFLASH_FUSED_NORM=0, DFLASH_GEMM_PERSIST=0, ...: one process per setting). --noncausal: the
-// drafter's mask (a propose's block sees every key). --fold: the phase through Backend::rope_attention, as a step
-// runs it (one folded attention kernel where DFLASH_ATTN_FOLD_ROPE=1 lets the cuda backend fold). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
+// drafter's mask (a propose's block sees every key). --probe (with --ctx; a build with -DDFLASH_PHASE_PROBE=ON):
 // after the timing, one more step; the last layer's rope, attention, combine and o_proj blocks' %globaltimer
 // stamps (--probe-gemm qkv|gate_up|down: that GEMM's instead of o_proj's; a comma list: one more step each), and
 // the norm kernel's last launch (the norm before the last gate/up, where a norm kernel runs: DFLASH_GEMM_FOLD_NORM
 // without 2), printed as min / p10 / median / p90 / max over blocks in us after the q/k/v GEMM ended (the rope
-// kernel's wait returned; folded: the attention's).
+// kernel's wait returned).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -132,11 +131,9 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         std::sort(v.begin(), v.end());
         return v;
     };
-    // The rope kernel's first wait returned (q/k/v done); a folded phase has no rope kernel: the attention's.
-    const auto rope_col = column(rope, 1);
-    const auto ref_col = rope_col.empty() ? column(attn, 1) : rope_col;
+    const auto ref_col = column(rope, 1);
     if (ref_col.empty()) {
-        std::printf("probe: neither the rope kernel nor the attention stamped a wait\n");
+        std::printf("probe: the rope kernel stamped nothing\n");
         return;
     }
     const double ref = double(ref_col.front());
@@ -144,8 +141,7 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
     const Point points[] = {
         {"rope", &rope, 0, "entry (before its wait)"}, {"rope", &rope, 1, "wait returned (q/k/v done)"},
         {"attention", &attn, 0, "entry"}, {"attention", &attn, 5, "returned: no keys"},
-        {"attention", &attn, 1, "wait returned"}, {"attention", &attn, 10, "own keys and Q folded"},
-        {"attention", &attn, 2, "chunk 0 and Q landed"},
+        {"attention", &attn, 1, "wait returned"}, {"attention", &attn, 2, "chunk 0 and Q landed"},
         {"attention", &attn, 6, "chunk 1 staging issued"}, {"attention", &attn, 7, "chunk 0: Q K^T issued"},
         {"attention", &attn, 8, "chunk 0: maxima shared"}, {"attention", &attn, 9, "chunk 0: P shared"},
         {"attention", &attn, 3, "k loop done"}, {"attention", &attn, 4, "end (partials stored)"},
@@ -155,8 +151,8 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
         {"norm", &norm, 2, "row's squares summed"}, {"norm", &norm, 3, "end"},
         {gemm_name, &gemm, 0, "entry"}, {gemm_name, &gemm, 1, "ring's first chunks issued"},
         {gemm_name, &gemm, 2, "wait returned"}, {gemm_name, &gemm, 3, "k loop done"}, {gemm_name, &gemm, 4, "end"}};
-    std::printf("probe (us after the first %s block's wait returned; min / p10 / median / p90 / max over blocks, "
-                "blocks; %s: the %s family's launch)\n", rope_col.empty() ? "attention" : "rope", gemm_name, gemm_family);
+    std::printf("probe (us after the first rope block's wait returned; min / p10 / median / p90 / max over blocks, "
+                "blocks; %s: the %s family's launch)\n", gemm_name, gemm_family);
     for (const Point &p : points) {
         const auto v = column(*p.t, p.point);
         if (v.empty()) continue;
@@ -171,7 +167,7 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
 
 int main(int argc, char **argv) {
     int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
-    bool host = false, sweep = false, causal = true, probe = false, fold = false;
+    bool host = false, sweep = false, causal = true, probe = false;
     std::string only, probe_gemm = "o_proj";
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -191,11 +187,10 @@ int main(int argc, char **argv) {
         else if (a == "--sweep") sweep = true;
         else if (a == "--noncausal") causal = false;
         else if (a == "--probe") probe = true;
-        else if (a == "--fold") fold = true;
         else if (a == "--probe-gemm") probe_gemm = next();
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N] [--sweep] [--noncausal] [--fold] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]\n");
+                                 "[--ctx N] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]\n");
             return 2;
         }
     }
@@ -344,14 +339,6 @@ int main(int argc, char **argv) {
     const WeightView norm_w{qk_norm, DFLASH_DTYPE_BF16, 1, hd, false};
     bool do_rope = true, do_attn = true;  // --sweep: the attention phase's kernels one by one
     auto attention_phase = [&](int64_t l) {
-        if (fold && do_rope && do_attn) {  // --fold: rope_attention, as a step runs the phase (folded where it can)
-            keys.k_cache = k_cache[size_t(l)];
-            keys.v_cache = v_cache[size_t(l)];
-            const Backend::RopeArgs r{qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, &norm_w, &norm_w,
-                                      eps, step_args, inv_freq, 1.f, step_args + rows};
-            b->rope_attention(r, rows, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{causal, 0}, keys, attn);
-            return;
-        }
         if (do_rope) b->qkv_norm_rope_write(qkv, QKV, static_cast<char *>(qkv) + size_t(Q) * act_bytes, QKV, rows, nh, nkv, hd, &norm_w, &norm_w, eps,
                                step_args, inv_freq, 1.f, step_args + rows, k_cache[size_t(l)], v_cache[size_t(l)]);
         keys.k_cache = k_cache[size_t(l)];

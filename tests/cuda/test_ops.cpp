@@ -49,8 +49,6 @@ namespace dflash {
 namespace cuda {
 bool gemm_wide_fits(const __nv_bfloat16 *x, int64_t M, int64_t ldx, const __nv_bfloat16 *w, bool w_tiled,
                     int64_t K);
-// The folded launches' count, so the rope_attention cases know they folded.
-int64_t attention_fold_launches();
 }  // namespace cuda
 }  // namespace dflash
 
@@ -1630,10 +1628,10 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
 }
 
 // Backend::rope_attention: the attention inputs' step (qkv_norm_rope_write) and the attention in one call, the
-// call's rows the last keys (cuda folds the first into its attention kernel where one query tile holds the rows,
-// RopeFold). Against the host's composition: out and the rows' cache slots close. cuda's result against cuda's own
-// composition (the base class's rope_attention, called qualified): out and both caches equal bit for bit. The
-// rows' slots start NaN, so a kernel that stages them from the cache instead of computing them fails.
+// call's rows the last keys. cuda against the host: out and the rows' cache slots close. The rows' slots start NaN,
+// so an attention that reads them before the step wrote them fails. (Session 39's fold of the first into the
+// attention kernel, compared here with cuda's own composition bit for bit, measured slower in session 42 and is on
+// branch exp/attn-fold.)
 void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
     g.run(cat("rope_attention: ", attn_desc(s, " ring-wrap"), norm ? "" : " no norm"), [&](Case &c) {
         PagedSetup p = make_paged(s, c.rng);
@@ -1656,7 +1654,7 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
         struct Result {
             std::vector<uint8_t> out, k, v;
         };
-        auto run = [&](Backend &be, bool composed) {
+        auto run = [&](Backend &be) {
             const PagedBuffers bufs(be, p);
             Weight w_q = upload_weight(be, wq, 1, hd), w_k = upload_weight(be, wk, 1, hd);
             DeviceBuffer x = upload_act(be, qkv), f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
@@ -1667,27 +1665,13 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
             const Backend::RopeArgs args{x.get(), ld, kv, ld, norm ? &w_q.view : nullptr, norm ? &w_k.view : nullptr,
                                          1e-6f, bufs.qpos.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>()};
             const float scale = 1.f / std::sqrt(float(hd));
-            if (composed)
-                be.Backend::rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
-            else
-                be.rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
+            be.rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
             sync(be);
             return Result{download_bytes(be, out.get(), out_count * act_size(be)),
                           download_bytes(be, bufs.k.get(), cache * act_size(be)),
                           download_bytes(be, bufs.v.get(), cache * act_size(be))};
         };
-        const Result host = run(*H, false);
-        const int64_t folds = cuda::attention_fold_launches();
-        const Result got = run(*C, false);
-        const int64_t folded = cuda::attention_fold_launches() - folds;
-        const Result composed = run(*C, true);
-        c.check(cuda::attention_fold_launches() == folds + folded, "the composition folded");
-        // With the fold on (test_ops' default) a call whose rows' vectors fit one query tile (64) must fold, else
-        // the case would compare the composition with itself.
-        const char *fold_env = std::getenv("DFLASH_ATTN_FOLD_ROPE");
-        const bool fold_on = fold_env && *fold_env && fold_env[0] != '0';
-        const int64_t folds_expected = fold_on && s.nq * s.ratio <= 64 ? 1 : 0;
-        c.check(folded == folds_expected, cat("folded ", folded, " times, ", folds_expected, " expected"));
+        const Result host = run(*H), got = run(*C);
         c.close("out", decode(C->act_dtype(), got.out), decode(H->act_dtype(), host.out), kTolBf16);
         std::vector<float> rows_c, rows_h;  // the rows' k and v slots
         for (const Result *r : {&got, &host}) {
@@ -1701,9 +1685,6 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
                 }
         }
         c.close("the rows' k and v cache slots", rows_c, rows_h, kTolBf16);
-        c.equal("out, cuda vs cuda's composition", got.out, composed.out);
-        c.equal("k_cache, cuda vs cuda's composition", got.k, composed.k);
-        c.equal("v_cache, cuda vs cuda's composition", got.v, composed.v);
     });
 }
 
@@ -1783,8 +1764,7 @@ void test_attention() {
     if (g_opt.level >= DEFAULT) run_attention_rows_agree_case(g, {16, 4, 8, 128, 20000, MASK_CAUSAL, true, 32768});
     // rope_attention: a verify step and a decode step (the counts on the device), a propose (pending context rows
     // fresh in the cache before the block's own), head_dim 64 wrapped and windowed without norms, the rows' keys
-    // across two chunks without a fresh count, every key the rows' own, and rows over several query tiles (cuda
-    // composes).
+    // across two chunks without a fresh count, every key the rows' own, and rows over several query tiles.
     run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
     run_rope_attention_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1}, true);
     run_rope_attention_case(g, {16, 4, 8, 128, 1031, MASK_NONE, false, 0, 16, 23}, true);
@@ -1792,11 +1772,6 @@ void test_attention() {
     run_rope_attention_case(g, {16, 4, 2, 128, 70, MASK_CAUSAL, false}, true);
     run_rope_attention_case(g, {16, 4, 2, 128, 16, MASK_NONE, false, 0, 16, 16}, true);
     run_rope_attention_case(g, {33, 4, 2, 64, 300, MASK_CAUSAL, false, 0, 64, 33}, false);
-    // The fold where a split holds the rows' keys among others (16 splits over 1000 keys) and the Qwen3-8B verify
-    // shape (8 kv heads, the rows' count on the device).
-    run_rope_attention_case(g, {16, 4, 2, 128, 1000, MASK_CAUSAL, false, 0, 16, 16}, true);
-    run_rope_attention_case(g, {1, 4, 2, 128, 1000, MASK_CAUSAL, false, 1000, 16, 1}, true);
-    run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2265,7 +2240,6 @@ void usage() {
 int main(int argc, char **argv) {
     g_opt.seed = uint64_t(std::chrono::system_clock::now().time_since_epoch().count()) & 0xFFFFFFFFull;
     if (const char *env = std::getenv("DFLASH_TEST_SEED")) g_opt.seed = std::strtoull(env, nullptr, 0);
-    setenv("DFLASH_ATTN_FOLD_ROPE", "1", 0);  // rope_attention's cases fold (cuda) whatever the default
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--seed" && i + 1 < argc) {

@@ -9,15 +9,11 @@
 // A combine kernel merges the splits.
 // Masks compare the stamped positions of keys (slot_positions) with the query positions.
 #include <algorithm>
-#include <atomic>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "ops.cuh"
-#include "rope_head.cuh"
 
 namespace dflash {
 namespace cuda {
@@ -27,8 +23,7 @@ namespace {
 DFLASH_PROBE_TABLE(g_probe_attention);  // 0 entry, 1 after the wait, 2 chunk 0 and Q landed, 3 k loop done, 4 end,
                                         // 5 returned without keys; chunk 0: 6 next chunk's staging issued,
                                         // 7 S = Q K^T issued, 8 maxima published, 9 P published (6-9: the
-                                        // eight-warp kernel only; the key-quarter one stamps 0-5, and its
-                                        // RopeFold kernels 10: the own keys and Q folded and staged)
+                                        // eight-warp kernel only; the key-quarter one stamps 0-5)
 DFLASH_PROBE_TABLE(g_probe_combine);    // 0 entry, 1 after the wait, 2 split records in, 3 end
 #endif
 
@@ -252,16 +247,12 @@ struct TcStages {
 // block-table read never waits in the loop), then its slot into slot_s and its position into the stage
 // (stage_keys); stage_kv copies the chunk's K and V rows by 16-byte cp.async, zeros past the last key, every
 // piece in flight at once (coherent L2 reads: the caches were written before the block's wait, or are settled).
-template <int HD, int kThreads, bool kOwn = false>
+template <int HD, int kThreads>
 struct ChunkStager {
     static constexpr int kStride = HD + kTcPad, kPieces = HD / 8;
     const PagedKeys &keys;
     const bf16 *kc, *vc;  // this kv head's first element in the caches
     int64_t kv_width, first0, stride, key_end;
-    // RopeFold: keys [own_begin, key_end) are the call's own rows', computed by stage_folded (OwnItem) into own_k_s / own_v_s
-    // (rows of kStride, row r: key own_begin + r); stage_kv copies them from there once those are set.
-    int64_t own_begin;
-    const bf16 *own_k_s = nullptr, *own_v_s = nullptr;
     int n_chunks;
     int64_t *slot_s;
     int32_t pend_block = -1, pend_pos = 0;
@@ -270,7 +261,7 @@ struct ChunkStager {
     __device__ ChunkStager(const PagedKeys &k, int kv_head, int n_kv_heads, int split, int64_t end, int64_t *slots)
         : keys(k), kc(static_cast<const bf16 *>(k.k_cache) + int64_t(kv_head) * HD),
           vc(static_cast<const bf16 *>(k.v_cache) + int64_t(kv_head) * HD), kv_width(int64_t(n_kv_heads) * HD),
-          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end), own_begin(end),
+          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end),
           n_chunks(int((end - int64_t(split) * kTcKeys + stride - 1) / stride)), slot_s(slots) {}
     __device__ int n_keys_of(int c) const { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); }
     __device__ void load_keys(int c) {
@@ -314,18 +305,6 @@ struct ChunkStager {
         for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
-            if constexpr (kOwn) {
-                if (first + j >= own_begin && first + j < key_end) {  // stage_folded's
-                    if (own_k_s) {
-                        const int64_t r = first + j - own_begin;
-                        *reinterpret_cast<uint4 *>(ks + j * kStride + piece * 8) =
-                            *reinterpret_cast<const uint4 *>(own_k_s + r * kStride + piece * 8);
-                        *reinterpret_cast<uint4 *>(vs + j * kStride + piece * 8) =
-                            *reinterpret_cast<const uint4 *>(own_v_s + r * kStride + piece * 8);
-                    }
-                    continue;
-                }
-            }
             const int64_t slot = slot_s[j];
             const bool ok = slot >= 0;
             cp_async16(ks + j * kStride + piece * 8, ok ? kc + slot * kv_width + piece * 8 : kc, ok);
@@ -811,17 +790,9 @@ constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
 
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
-// RopeFold's tables after the Q tile: each query row's rotations (cos, sin of its pairs) and the q and k norms'
-// weights, as floats; then the rows' normed and rotated K and their V, as staged.
 template <int HD, int MT>
-__host__ __device__ constexpr size_t tq_fold_bytes() {
-    return size_t(16 * MT) * (HD / 2) * sizeof(float2) + 2 * HD * sizeof(float) +
-           2 * size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);  // the rows' K and V (ChunkStager::own_k_s, own_v_s)
-}
-template <int HD, int MT, bool FOLD>
 __host__ __device__ constexpr size_t tq_loop_bytes() {
-    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16) +
-           (FOLD ? tq_fold_bytes<HD, MT>() : 0);
+    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -829,199 +800,19 @@ __host__ __device__ constexpr size_t tq_merge_bytes() {
            size_t(kTqQuarters) * 16 * MT * sizeof(float2);
 }
 // The merge's buffers alias the stages (after a barrier): the larger of the two.
-template <int HD, int MT, bool FOLD = false>
-__host__ __device__ constexpr size_t tq_smem_bytes() {
-    return tq_loop_bytes<HD, MT, FOLD>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT, FOLD>()
-                                                                    : tq_merge_bytes<HD, MT>();
-}
-
-// RopeFold (ops.cuh), the kernel's side. Before the wait: every row's rotations (row r: the call's query row r,
-// whose key is the call's own key r) and the norms' weights into shared memory, as rope.cu's lane_rope computes
-// them (the positions came with the step's upload; inv_freq and the weights are the model's).
-template <int HD, int kThreads>
-__device__ __forceinline__ void fold_tables(const RopeFold &f, const int32_t *q_positions, int nq, float2 *rot_s,
-                                            float *wn_s) {
-    constexpr int kHalf = HD / 2;
-    for (int i = threadIdx.x; i < nq * kHalf; i += kThreads) {
-        float sn, cs;
-        sincosf(float(q_positions[i / kHalf]) * f.inv_freq[i % kHalf], &sn, &cs);
-        rot_s[i] = make_float2(cs * f.attention_factor, sn * f.attention_factor);
-    }
-    for (int i = threadIdx.x; i < 2 * HD; i += kThreads) {
-        const bf16 *w = i < HD ? f.q_norm : f.k_norm;
-        wn_s[i] = w ? to_float(w[i % HD]) : 0.f;
-    }
-}
-
-// Row r's rotations and the pairs' weights (w: [HD], the q or the k norm's) for this lane, from fold_tables'.
-template <int HD>
-struct FoldLane {
-    static constexpr int P = HD / 64;
-    float cs[P], sn[P], wa[P], wb[P];
-    __device__ FoldLane(const float2 *rot_s, int r, const float *w, int lane) {
-#pragma unroll
-        for (int i = 0; i < P; ++i) {
-            const int j = lane + 32 * i;
-            const float2 rot = rot_s[r * (HD / 2) + j];
-            cs[i] = rot.x;
-            sn[i] = rot.y;
-            wa[i] = w[j];
-            wb[i] = w[j + HD / 2];
-        }
-    }
-};
-
-// One of the call's own rows' key items (row r's k head or v head) that falls in this split's chunks, after the
-// wait: its global load issued by load(), then finish() writes it into own_k / own_v (row r: key own_begin + r),
-// into its cache slot (rope.cu's qkv_norm_rope_write_kernel writes the same values there) and, for chunk 0,
-// already staged without it (stage_first), into that stage too; the k head normed and rotated first (this
-// warp; the arithmetic of norm_rope_pairs), the v head copied. The later chunks copy theirs from own_k / own_v
-// (ChunkStager::stage_kv).
-template <int HD, int kThreads>
-struct OwnItem {
-    static constexpr int P = HD / 64, kStride = HD + kTcPad;
-    bool on = false, is_v = false;
-    int r = 0;
-    bf16 *dst = nullptr, *copy = nullptr, *staged = nullptr;
-    float a[P], b[P], ss = 0.f;
-    bf16 v[HD / 32];
-
-    // Item `it` (row it / 2; odd: its v head) of n_items, where this split attends it.
-    __device__ void load(const ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head, int split,
-                         bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, int it, int n_items, int lane) {
-        on = false;
-        if (it >= n_items) return;
-        r = it / 2;
-        const int64_t key = cs.own_begin + r;
-        if ((key / kTcKeys) % gridDim.y != split) return;  // another split's
-        on = true;
-        is_v = it & 1;
-        const int64_t slot = f.slots[r];
-        const bf16 *src = f.kv + r * f.ldkv + (is_v ? cs.kv_width : 0) + int64_t(kv_head) * HD;
-        copy = slot < 0 ? nullptr : (is_v ? f.v_cache : f.k_cache) + slot * cs.kv_width + int64_t(kv_head) * HD;
-        dst = (is_v ? own_v : own_k) + r * kStride;
-        const int64_t j = key - cs.first0;  // in chunk 0: its row there
-        staged = j < kTcKeys ? (is_v ? vs0 : ks0) + j * kStride : nullptr;
-        if (is_v) {
-#pragma unroll
-            for (int i = 0; i < HD / 32; ++i) v[i] = src[lane + 32 * i];
-        } else {
-            ss = head_pairs_load<P>(src, HD, lane, a, b);
-        }
-    }
-    __device__ void finish(const RopeFold &f, const float2 *rot_s, const float *wk_s, int lane) {
-        if (!on) return;
-        if (is_v) {
-#pragma unroll
-            for (int i = 0; i < HD / 32; ++i) {
-                dst[lane + 32 * i] = v[i];
-                if (staged) staged[lane + 32 * i] = v[i];
-                if (copy) copy[lane + 32 * i] = v[i];
-            }
-            return;
-        }
-        const FoldLane<HD> fl(rot_s, r, wk_s, lane);
-        head_pairs_finish<P>(a, b, ss, HD, f.k_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, copy, lane);
-        if (staged) {
-            __syncwarp();
-            for (int d = lane; d < HD; d += 32) staged[d] = dst[d];
-        }
-    }
-};
-
-// After the wait: the call's own rows' keys that fall in this split's chunks (OwnItem, one warp per item) and
-// the Q tile as stage_q_tile stages it, from the raw q rows (each vector normed and rotated by one warp: the
-// arithmetic of norm_rope_pairs, head_pairs_load then head_pairs_finish). Every warp issues the global loads of
-// its first kOwnBatch own items and of its Q vectors before it finishes any of them, so the split that holds the
-// own keys (a verify's 16 rows: 32 items over 16 warps) pays one round trip, as the others do, not one per item
-// and one more for Q; further own items (more than kOwnBatch per warp) are loaded and finished one at a time.
-template <int HD, int kThreads, int MT>
-__device__ __forceinline__ void stage_folded(ChunkStager<HD, kThreads, true> &cs, const RopeFold &f, int kv_head,
-                                             int split, bf16 *ks0, bf16 *vs0, bf16 *own_k, bf16 *own_v, bf16 *q_s,
-                                             const bf16 *q, int64_t ldq, const GroupOf &gof, int vec_base,
-                                             int tile_vecs, int m_tiles, const float2 *rot_s, const float *wn_s) {
-    constexpr int kStride = HD + kTcPad, kWarpsQ = kThreads / 32, kPer = (16 * MT + kWarpsQ - 1) / kWarpsQ;
-    constexpr int P = HD / 64, kOwnBatch = 2;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_items = 2 * int(cs.key_end - cs.own_begin);
-    const float *wq_s = wn_s, *wk_s = wn_s + HD;
-    OwnItem<HD, kThreads> own[kOwnBatch];
-#pragma unroll
-    for (int k = 0; k < kOwnBatch; ++k)
-        own[k].load(cs, f, kv_head, split, ks0, vs0, own_k, own_v, warp + k * kWarpsQ, n_items, lane);
-    float a[kPer][P], b[kPer][P], ss[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-        const int vl = warp + k * kWarpsQ, v = vec_base + vl;
-        if (vl < tile_vecs)
-            ss[k] = head_pairs_load<P>(q + int64_t(gof.row(v)) * ldq + int64_t(kv_head * gof.group + gof.sub(v)) * HD,
-                                       HD, lane, a[k], b[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kOwnBatch; ++k) own[k].finish(f, rot_s, wk_s, lane);
-    for (int it = warp + kOwnBatch * kWarpsQ; it < n_items; it += kWarpsQ) {
-        OwnItem<HD, kThreads> more;
-        more.load(cs, f, kv_head, split, ks0, vs0, own_k, own_v, it, n_items, lane);
-        more.finish(f, rot_s, wk_s, lane);
-    }
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-        const int vl = warp + k * kWarpsQ;
-        if (vl >= m_tiles * 16) break;
-        bf16 *dst = q_s + vl * kStride;
-        if (vl >= tile_vecs) {
-            for (int d = lane; d < HD; d += 32) dst[d] = to_bf16(0.f);
-            continue;
-        }
-        const FoldLane<HD> fl(rot_s, gof.row(vec_base + vl), wq_s, lane);
-        head_pairs_finish<P>(a[k], b[k], ss[k], HD, f.q_norm != nullptr, f.eps, fl.cs, fl.sn, fl.wa, fl.wb, dst, nullptr,
-                             lane);
-    }
-    cs.own_k_s = own_k;
-    cs.own_v_s = own_v;
-}
-
-// The quarter merge's arithmetic for vector vl, dims d .. d + 3 (o_s: [quarter][16 MT][kOS], ml_s: [16 MT][quarter],
-// tcq_body's merge buffers): the quarters' O weighted by exp(m_q - best) and summed in quarter order, with their l.
 template <int HD, int MT>
-__device__ __forceinline__ float4 merge_quarters(const float *o_s, const float2 *ml_s, int vl, int d, float &best,
-                                                 float &lsum) {
-    constexpr int kOS = tq_ostride<HD>();
-    float2 ml[kTqQuarters];
-    best = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kTqQuarters; ++k) {
-        ml[k] = ml_s[vl * kTqQuarters + k];
-        best = fmaxf(best, ml[k].x);
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    lsum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kTqQuarters; ++k) {
-        const float w = ml[k].x == -INFINITY ? 0.f : __expf(ml[k].x - best);
-        const float4 x = *reinterpret_cast<const float4 *>(o_s + (k * 16 * MT + vl) * kOS + d);
-        acc.x = fmaf(x.x, w, acc.x);
-        acc.y = fmaf(x.y, w, acc.y);
-        acc.z = fmaf(x.z, w, acc.z);
-        acc.w = fmaf(x.w, w, acc.w);
-        lsum = fmaf(ml[k].y, w, lsum);
-    }
-    return acc;
+__host__ __device__ constexpr size_t tq_smem_bytes() {
+    return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
 }
 
-// A merged output element: the splits' weighted sum over their weighted l (0 where no key was visible), in bf16;
-// attention_combine_kernel's last step.
-__device__ __forceinline__ bf16 merged_out(float acc, float total) { return to_bf16(total > 0.f ? acc / total : 0.f); }
-
-// The key-quarter kernel's body, partials for attention_combine_kernel (out_part, ml_part); FOLD: with RopeFold
-// (attention_tcq_fold_kernel), else as it was before the fold (attention_tcq_kernel, the default).
-template <int HD, int MT, bool FOLD>
-__device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions, int n_heads,
-                                         int n_kv_heads, float scale, bool causal, int32_t window,
-                                         const PagedKeys &keys, float *out_part, Split *ml_part,
-                                         const RopeFold &fold) {
+template <int HD, int MT>
+__global__ void __launch_bounds__(kTqQuarters * MT * 32)
+attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
+                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
+                     PagedKeys keys, float *out_part, Split *ml_part) {
     constexpr int S = 2;
     constexpr int kThreads = kTqQuarters * MT * 32;
+    const bool early = tc_entry(keys);
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;      // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
@@ -1029,12 +820,6 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     const TcStages<HD> sm{tc_smem};
     int64_t *slot_s = sm.slots(S);
     bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
-    float2 *rot_s = reinterpret_cast<float2 *>(q_s + 16 * MT * kStride);  // RopeFold: [16 MT rows][HD / 2]
-    float *wn_s = reinterpret_cast<float *>(rot_s + 16 * MT * (HD / 2));  // RopeFold: q norm [HD], k norm [HD]
-    bf16 *own_k = reinterpret_cast<bf16 *>(wn_s + 2 * HD), *own_v = own_k + 16 * MT * kStride;  // RopeFold's rows
-    DFLASH_PROBE(g_probe_attention, 0);
-    if constexpr (FOLD) fold_tables<HD, kThreads>(fold, q_positions, nq, rot_s, wn_s);  // read after stage_first's barrier
-    const bool early = tc_entry(keys);
 
     const int group = n_heads / n_kv_heads;
     const GroupOf gof(group);
@@ -1053,17 +838,10 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
         DFLASH_PROBE(g_probe_attention, 5);
         return;
     }
-    ChunkStager<HD, kThreads, FOLD> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
-    if constexpr (FOLD) cs.own_begin = key_end - nq;
+    ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
-    if constexpr (FOLD) {
-        stage_folded<HD, kThreads, MT>(cs, fold, kv_head, split, sm.k(0), sm.v(0), own_k, own_v, q_s, q, ldq, gof,
-                                       vec_base, tile_vecs, m_tiles, rot_s, wn_s);
-        DFLASH_PROBE(g_probe_attention, 10);
-    } else {
-        stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
-    }
+    stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
     cp_async_commit();
     // Rows g and g + 8 of this warp's m tile.
     int32_t qpos[2];
@@ -1187,32 +965,31 @@ __device__ __forceinline__ void tcq_body(const bf16 *q, int64_t ldq, int nq, con
     constexpr int kQuads = HD / 4;
     for (int e = threadIdx.x; e < tile_vecs * kQuads; e += kThreads) {
         const int vl = e / kQuads, d = (e % kQuads) * 4;
-        float best, lsum;
-        const float4 acc = merge_quarters<HD, MT>(o_s, ml_s, vl, d, best, lsum);
+        float2 ml[kTqQuarters];
+        float best = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kTqQuarters; ++k) {
+            ml[k] = ml_s[vl * kTqQuarters + k];
+            best = fmaxf(best, ml[k].x);
+        }
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float lsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < kTqQuarters; ++k) {
+            const float w = ml[k].x == -INFINITY ? 0.f : __expf(ml[k].x - best);
+            const float4 x = *reinterpret_cast<const float4 *>(o_s + (k * 16 * MT + vl) * kOS + d);
+            acc.x = fmaf(x.x, w, acc.x);
+            acc.y = fmaf(x.y, w, acc.y);
+            acc.z = fmaf(x.z, w, acc.z);
+            acc.w = fmaf(x.w, w, acc.w);
+            lsum = fmaf(ml[k].y, w, lsum);
+        }
         const int v = vec_base + vl;
         const int64_t idx = (int64_t(split) * nq + gof.row(v)) * n_heads + kv_head * group + gof.sub(v);
         *reinterpret_cast<float4 *>(out_part + idx * HD + d) = acc;
         if (d == 0) ml_part[idx] = Split{best, lsum};
     }
     DFLASH_PROBE(g_probe_attention, 4);
-}
-
-template <int HD, int MT>
-__global__ void __launch_bounds__(kTqQuarters * MT * 32)
-attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
-                     int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                     PagedKeys keys, float *out_part, Split *ml_part) {
-    tcq_body<HD, MT, false>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, out_part,
-                            ml_part, RopeFold{});
-}
-
-template <int HD, int MT>
-__global__ void __launch_bounds__(kTqQuarters * MT * 32)
-attention_tcq_fold_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
-                          int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
-                          PagedKeys keys, float *out_part, Split *ml_part, RopeFold fold) {
-    tcq_body<HD, MT, true>(q, ldq, nq, q_positions, n_heads, n_kv_heads, scale, causal, window, keys, out_part,
-                           ml_part, fold);
 }
 
 constexpr int kMaxSplits = 512;  // per call (the combine's shared weights)
@@ -1265,7 +1042,7 @@ __global__ void attention_combine_kernel(const float *out_part, const Split *ml_
 #pragma unroll 16
         for (int sp = 0; sp < splits; ++sp)
             acc = fmaf(out_part[(sp * stride + idx) * hd + d], weight_s[sp], acc);
-        out[idx * hd + d] = merged_out(acc, total);
+        out[idx * hd + d] = to_bf16(total > 0.f ? acc / total : 0.f);
     }
     DFLASH_PROBE(g_probe_combine, 3);
 }
@@ -1393,34 +1170,23 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// A key-quarter kernel: attention_tcq_fold_kernel<HD, MT> (FOLD, RopeFold's) or attention_tcq_kernel<HD, MT>.
-template <int HD, int MT, bool FOLD>
-constexpr auto tcq_kernel() {
-    if constexpr (FOLD) return attention_tcq_fold_kernel<HD, MT>;
-    else return attention_tcq_kernel<HD, MT>;
-}
-
-// attention_fold_launches: the folded launches (RopeFold) so far (test_ops knows its rope_attention cases folded).
-std::atomic<int64_t> g_fold_launches{0};
-
-// The key-quarter kernels' shared-memory opt-ins (FOLD: RopeFold's), once per process and family (for the device
-// current then). Returns whether the family's largest instantiation fits (138 KB; 156 KB folded).
-template <bool FOLD>
+// The key-quarter kernel's shared-memory opt-ins, once per process (for the device current then). Returns whether
+// its largest instantiation fits.
 bool allow_tcq_smem() {
     static const bool fits = [] {
         int device = 0, optin = 0;
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-        if (tq_smem_bytes<128, 4, FOLD>() > size_t(optin)) return false;
+        if (tq_smem_bytes<128, 4>() > size_t(optin)) return false;
         auto allow = [](auto kernel, size_t bytes) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
         };
-        allow(tcq_kernel<128, 1, FOLD>(), tq_smem_bytes<128, 1, FOLD>());
-        allow(tcq_kernel<128, 2, FOLD>(), tq_smem_bytes<128, 2, FOLD>());
-        allow(tcq_kernel<128, 4, FOLD>(), tq_smem_bytes<128, 4, FOLD>());
-        allow(tcq_kernel<64, 1, FOLD>(), tq_smem_bytes<64, 1, FOLD>());
-        allow(tcq_kernel<64, 2, FOLD>(), tq_smem_bytes<64, 2, FOLD>());
-        allow(tcq_kernel<64, 4, FOLD>(), tq_smem_bytes<64, 4, FOLD>());
+        allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
+        allow(attention_tcq_kernel<128, 2>, tq_smem_bytes<128, 2>());
+        allow(attention_tcq_kernel<128, 4>, tq_smem_bytes<128, 4>());
+        allow(attention_tcq_kernel<64, 1>, tq_smem_bytes<64, 1>());
+        allow(attention_tcq_kernel<64, 2>, tq_smem_bytes<64, 2>());
+        allow(attention_tcq_kernel<64, 4>, tq_smem_bytes<64, 4>());
         return true;
     }();
     return fits;
@@ -1449,7 +1215,7 @@ bool allow_tc8_smem() {
 TcKernel tc_kernel() {
     static const TcKernel k = [] {
         const TcKernel want = requested_tc_kernel();
-        if (want == TcKernel::kQuarter && allow_tcq_smem<false>()) return TcKernel::kQuarter;
+        if (want == TcKernel::kQuarter && allow_tcq_smem()) return TcKernel::kQuarter;
         if (want != TcKernel::kFour && allow_tc8_smem()) return TcKernel::kEight;
         return TcKernel::kFour;
     }();
@@ -1472,26 +1238,9 @@ size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, in
     return parts * size_t(head_dim) * sizeof(float) + parts * sizeof(Split) + 16;
 }
 
-// DFLASH_ATTN_FOLD_ROPE (read once; an A/B switch): 0 never folds, anything else folds where it can; unset:
-// kFoldRopeDefault.
-constexpr bool kFoldRopeDefault = false;
-bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys) {
-    static const bool on = [] {
-        const char *v = std::getenv("DFLASH_ATTN_FOLD_ROPE");
-        return v && *v ? v[0] != '0' : kFoldRopeDefault;
-    }();
-    if (!on || nq < 1 || n_kv_heads < 1 || !use_tc(head_dim) || n_heads / n_kv_heads > kMaxQueryVectors ||
-        tc_kernel() != TcKernel::kQuarter || !allow_tcq_smem<true>())
-        return false;
-    return plan_for(nq, n_heads, n_kv_heads, head_dim, keys).q_tiles == 1 && nq <= keys.num_keys &&
-           (keys.fresh_keys < 0 || keys.fresh_keys >= nq);
-}
-
-int64_t attention_fold_launches() { return g_fold_launches.load(); }
-
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
-               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s, const RopeFold *fold) {
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s) {
     if (nq == 0) return;
     if (head_dim > kMaxHeadDim || head_dim % 2)
         fail(DFLASH_STATUS_NOT_SUPPORTED, "cuda attention: head_dim ", head_dim,
@@ -1516,37 +1265,21 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
                mask.causal, mask.window, keys, out_part, ml_part);
     };
-    // A fold is only asked for where attention_folds_rope said yes: the key-quarter kernel, one query tile.
-    if (fold && (!tc || tc_kernel() != TcKernel::kQuarter || p.q_tiles != 1))
-        fail(DFLASH_STATUS_INTERNAL, "cuda attention: a folded RoPE for ", nq, " rows this call cannot take");
-    if (fold) g_fold_launches.fetch_add(1);  // one folded launch below
     if (tc && tc_kernel() == TcKernel::kQuarter) {
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
-        auto go_fold = [&](auto kernel, int threads, size_t smem) {
-            launch(kernel, grid, threads, smem, s, q, ldq, int(nq), q_positions, int(n_heads), int(n_kv_heads), scale,
-                   mask.causal, mask.window, keys, out_part, ml_part, *fold);
+        auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
+            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
+            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
+            else go(k4, 4 * kTqQuarters * 32, b4);
         };
-        // The kernel for mt (RopeFold's where `fold`), launched by launch_it.
-        auto pick = [&](auto fold_tag, auto launch_it) {
-            constexpr bool kFold = decltype(fold_tag)::value;
-            auto by_mt = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-                if (mt <= 1) launch_it(k1, kTqQuarters * 32, b1);
-                else if (mt == 2) launch_it(k2, 2 * kTqQuarters * 32, b2);
-                else launch_it(k4, 4 * kTqQuarters * 32, b4);
-            };
-            if (head_dim == 128)
-                by_mt(tcq_kernel<128, 1, kFold>(), tcq_kernel<128, 2, kFold>(), tcq_kernel<128, 4, kFold>(),
-                      tq_smem_bytes<128, 1, kFold>(), tq_smem_bytes<128, 2, kFold>(), tq_smem_bytes<128, 4, kFold>());
-            else
-                by_mt(tcq_kernel<64, 1, kFold>(), tcq_kernel<64, 2, kFold>(), tcq_kernel<64, 4, kFold>(),
-                      tq_smem_bytes<64, 1, kFold>(), tq_smem_bytes<64, 2, kFold>(), tq_smem_bytes<64, 4, kFold>());
-        };
-        if (fold)
-            pick(std::true_type{}, go_fold);
+        if (head_dim == 128)
+            pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
+                 tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(), tq_smem_bytes<128, 4>());
         else
-            pick(std::false_type{}, go);
+            pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
+                 tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());

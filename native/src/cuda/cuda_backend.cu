@@ -274,38 +274,10 @@ public:
     void attention(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                    int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
                    const PagedKeys &keys, void *out) override {
-        attend(q, ldq, nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask, keys, out, nullptr);
-    }
-    // cuda::attention with its scratch (grown here), folding RoPE in where `fold` is given (rope_attention).
-    void attend(const void *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
-                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask, const PagedKeys &keys,
-                void *out, const cuda::RopeFold *fold) {
         void *scratch = grow(attention_scratch_, cuda::attention_scratch_bytes(
                                                      nq, n_heads, head_dim, n_kv_heads, keys));
         cuda::attention(as_bf16(q), ldq, nq, q_positions, n_heads, n_kv_heads, head_dim, scale, mask,
-                        keys, scratch, as_bf16(out), stream_, fold);
-    }
-    // Folded into the key-quarter attention kernel where it can be (cuda::attention_folds_rope: one query tile, and
-    // DFLASH_ATTN_FOLD_ROPE=1 until the fold has run on a GPU), else qkv_norm_rope_write's kernel, then the attention.
-    void rope_attention(const RopeArgs &r, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                        float scale, AttentionMask mask, const PagedKeys &keys, void *out) override {
-        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
-        if (!fused || !cuda::attention_folds_rope(rows, heads, kv_heads, head_dim, keys)) {
-            Backend::rope_attention(r, rows, heads, kv_heads, head_dim, scale, mask, keys, out);
-            return;
-        }
-        cuda::RopeFold fold;
-        fold.kv = as_bf16(r.kv);
-        fold.ldkv = r.ldkv;
-        fold.q_norm = r.q_norm ? weight_data(*r.q_norm, "rope_attention") : nullptr;
-        fold.k_norm = r.k_norm ? weight_data(*r.k_norm, "rope_attention") : nullptr;
-        fold.eps = r.eps;
-        fold.inv_freq = r.inv_freq;
-        fold.attention_factor = r.attention_factor;
-        fold.slots = r.slots;
-        fold.k_cache = as_bf16(const_cast<void *>(keys.k_cache));
-        fold.v_cache = as_bf16(const_cast<void *>(keys.v_cache));
-        attend(r.q, r.ldq, rows, r.positions, heads, kv_heads, head_dim, scale, mask, keys, out, &fold);
+                        keys, scratch, as_bf16(out), stream_);
     }
     void add_rms_norm(void *x, const void *res, int64_t rows, int64_t dim, WeightView w, float eps,
                       void *y) override {

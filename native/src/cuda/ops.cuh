@@ -109,27 +109,9 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
 // attention.cu: split-KV paged attention; scratch of attention_scratch_bytes(...) bytes.
 size_t attention_scratch_bytes(int64_t nq, int64_t n_heads, int64_t head_dim, int64_t n_kv_heads,
                                const PagedKeys &keys);
-// Backend::rope_attention in the attention kernel (fold non-null; attention_folds_rope says when it can be): q is
-// the q/k/v GEMM's raw output, the call's nq rows are the last nq keys, and the kernel norms and rotates their q and
-// k heads (rope.cu's arithmetic, rope_head.cuh: meant to give the same bits, which test_ops checks) and writes their
-// k and v heads to the caches (keys.k_cache / v_cache) at `slots` (negative: not written), so no
-// qkv_norm_rope_write runs.
-struct RopeFold {
-    const bf16 *kv = nullptr;  // the rows' raw k heads, then v heads, at stride ldkv
-    int64_t ldkv = 0;
-    const bf16 *q_norm = nullptr, *k_norm = nullptr;  // nullptr: no norm
-    float eps = 0.f;
-    const float *inv_freq = nullptr;
-    float attention_factor = 1.f;
-    const int32_t *slots = nullptr;
-    bf16 *k_cache = nullptr, *v_cache = nullptr;
-};
-bool attention_folds_rope(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const PagedKeys &keys);
-// The folded launches (RopeFold) so far (test_ops checks that its rope_attention cases folded).
-int64_t attention_fold_launches();
 void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_positions, int64_t n_heads,
                int64_t n_kv_heads, int64_t head_dim, float scale, AttentionMask mask,
-               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s, const RopeFold *fold = nullptr);
+               const PagedKeys &keys, void *scratch, bf16 *out, cudaStream_t s);
 
 // sampling.cu
 void sampling_probs(float *rows, int64_t m, int64_t vocab, float temperature, float top_p,

@@ -1,6 +1,6 @@
-// rope_head.cuh: one head's RMSNorm and rotate-half RoPE by one warp: the arithmetic of rope.cu's kernels and of
-// the attention's folded staging (attention.cu, RopeFold), written once. (rope.cu's PTX is unchanged by it: checked
-// against session 38's.)
+// rope_head.cuh: one head's RMSNorm and rotate-half RoPE by one warp: the arithmetic of rope.cu's kernels, written
+// once (session 39 wrote it for a fold into the attention kernel too, now on branch exp/attn-fold; rope.cu's PTX is
+// unchanged by it: checked against session 38's).
 #pragma once
 
 #include "common.cuh"
@@ -61,8 +61,7 @@ __device__ __forceinline__ void head_pairs_finish(float (&a)[P], float (&b)[P], 
 // and j + head_dim / 2): RMSNorm with weights wa / wb of its pairs (fp32 statistics, the result rounded to bf16
 // as rms_norm stores it; skipped when `norm` is false), then the rotation by cos cs / sin sn (attention_factor
 // applied), rounded to bf16 into dst and, when not null, copy (a k head into its cache slot). dst may be src:
-// every load comes first. rope.cu's kernels and the folded attention (attention.cu, RopeFold) both inline it;
-// test_ops' rope_attention cases check that they give the same bits.
+// every load comes first. rope.cu's kernels inline it.
 template <int P>
 __device__ __forceinline__ void norm_rope_pairs(const bf16 *src, int head_dim, bool norm, float eps,
                                                 const float (&cs)[P], const float (&sn)[P], const float (&wa)[P],
