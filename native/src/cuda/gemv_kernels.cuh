@@ -102,8 +102,11 @@ static_assert(kGemmProbePoints <= kProbeStamps, "a table row holds every point")
 #endif
 
 constexpr int kExp = DFLASH_GEMM_EXP;
+// kExpPlainRing: launches that would take x in the ring (XLoad::Ring8, Ring16) take the plain ring of weights
+// instead (7 chunks a warp against Ring16's 3; x then as the register path loads it, or with kExpNoX not at all):
+// against kExpNoX alone, what the ring's depth costs a 16-row GEMM.
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
-              kExpNoWait = 32;
+              kExpNoWait = 32, kExpPlainRing = 64;
 
 constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
 constexpr int kTileM = 16;    // rows per mma tile
@@ -202,12 +205,15 @@ constexpr int kSliceChunksPerStage = kStageBytes / kRowBytes;  // 16
 template <XLoad XL>
 __host__ __device__ constexpr int slice_stages() { return XL == XLoad::Slice ? 1 : XL == XLoad::Slice2 ? 2 : 0; }
 template <XLoad XL>
-__host__ __device__ constexpr int ring_x_rows() { return XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0; }
+__host__ __device__ constexpr int ring_x_rows() {
+    return kExp & kExpPlainRing ? 0 : XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0;
+}
 // XR: x rows per stage (ring_x_rows); the stages then fit in the bytes of the plain ring.
+// (kExpPlainRing: as if XR were 0, here and in slice_offset, so a launch's shared memory matches its kernel's ring.)
 template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr int ring_stages() {
     return ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
-           (kStageBytes + XR * kRowBytes);
+           (kStageBytes + (kExp & kExpPlainRing ? 0 : XR) * kRowBytes);
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -498,7 +504,8 @@ __host__ __device__ constexpr size_t red_bytes() {
 // SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr size_t slice_offset() {
-    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + XR * kRowBytes);
+    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() *
+                            (kStageBytes + (kExp & kExpPlainRing ? 0 : XR) * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
