@@ -204,16 +204,18 @@ enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16 };
 constexpr int kSliceChunksPerStage = kStageBytes / kRowBytes;  // 16
 template <XLoad XL>
 __host__ __device__ constexpr int slice_stages() { return XL == XLoad::Slice ? 1 : XL == XLoad::Slice2 ? 2 : 0; }
+// The x rows a ring stage holds where xr are asked for: none under kExpPlainRing. The kernel (ring_x_rows) and the
+// launch's shared memory (ring_stages, slice_offset, whose XR the host passes as 8 or 16) both go through it.
+__host__ __device__ constexpr int stage_x_rows(int xr) { return kExp & kExpPlainRing ? 0 : xr; }
 template <XLoad XL>
 __host__ __device__ constexpr int ring_x_rows() {
-    return kExp & kExpPlainRing ? 0 : XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0;
+    return stage_x_rows(XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0);
 }
 // XR: x rows per stage (ring_x_rows); the stages then fit in the bytes of the plain ring.
-// (kExpPlainRing: as if XR were 0, here and in slice_offset, so a launch's shared memory matches its kernel's ring.)
 template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr int ring_stages() {
     return ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
-           (kStageBytes + (kExp & kExpPlainRing ? 0 : XR) * kRowBytes);
+           (kStageBytes + stage_x_rows(XR) * kRowBytes);
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -504,8 +506,8 @@ __host__ __device__ constexpr size_t red_bytes() {
 // SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr size_t slice_offset() {
-    constexpr size_t ring = size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() *
-                            (kStageBytes + (kExp & kExpPlainRing ? 0 : XR) * kRowBytes);
+    constexpr size_t ring =
+        size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + stage_x_rows(XR) * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
