@@ -372,6 +372,16 @@ if (( BUILD_OK && OPS )); then
             $(ops_counts "$LOGS/test_ops_persist.log")
         [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
     fi
+    # x in the ring (XLoad::Ring16) where the default does not take it (persistent and folded-norm launches):
+    # DFLASH_GEMM_X_RING=15, with persistence on, after an unfiltered test_ops run or one filtered to the GEMMs.
+    if [[ $OPS_ARGS != *--filter* || $OPS_ARGS == *gemm* ]]; then
+        run_stage test_ops_xring "$LOGS/test_ops_xring.log" env DFLASH_GEMM_PERSIST=3 DFLASH_GEMM_X_RING=15 \
+            "$TEST_OPS" --seed "$SEED" --quick --filter gemm
+        # shellcheck disable=SC2046
+        record test_ops_xring "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_xring.log $STAGE_NOTE \
+            $(ops_counts "$LOGS/test_ops_xring.log")
+        [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+    fi
 elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed
 fi
