@@ -105,9 +105,10 @@ constexpr int kExp = DFLASH_GEMM_EXP;
 // kExpPlainRing: launches that would take x in the ring (XLoad::Ring8, Ring16) take the plain ring of weights
 // instead (7 chunks a warp against Ring16's 3; x then as the register path loads it, or with kExpNoX not at all):
 // against kExpNoX alone, what the ring's depth costs a 16-row GEMM.
-// kExpX3: the x ring of Ring8/Ring16 launches 3 stages deep instead of 2 (one weight stage less).
+// kExpX3: the x rings of Ring8/Ring16 launches 3 stages deep instead of 2. kExpWarpX: an x ring per warp instead
+// of one per k slice shared by the slice's warps (every warp then loads the whole chunk's x). Both give correct sums.
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
-              kExpNoWait = 32, kExpPlainRing = 64, kExpX3 = 128;
+              kExpNoWait = 32, kExpPlainRing = 64, kExpX3 = 128, kExpWarpX = 256;
 
 constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
 constexpr int kTileM = 16;    // rows per mma tile
@@ -191,13 +192,16 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // the wait returns, the warp then runs at one x round trip per two chunks (session 21: the GEMM chain
 // 0.28 ms faster at 1 row with no x loads at all; session 22: three or four register sets ahead did not
 // help). One burst of loads per warp puts every x round trip of the slice into one.
-// Ring8, Ring16 (tiled, M >= 2; where ring_x_choice says so): x by cp.async into a ring of its own next to the
+// Ring8, Ring16 (tiled, M >= 2; where ring_x_choice says so): x by cp.async into rings of their own next to the
 // weights' (kXStages stages of a chunk's x rows: Ring8 rows g only, M <= 8; Ring16 the tile's 16; rows past M
-// and halves past K zero-filled), the weight ring keeping the rest of the warp's bytes: 5 stages at Ring16 (2
-// KB of x a stage), 6 at Ring8. Lanes 0-15 issue the weights and lanes 16-31 the x, so each waits on its own
-// cp.async groups: the x of the next chunk lands without draining the weights issued before it (groups
-// complete in order per thread). Until session 43 a stage held a chunk's weights and its x, issued together,
-// which left Ring16's ring 3 chunks deep (2 in flight) against 6 at 1 row.
+// and halves past K zero-filled). The warps of a k slice (one per column group) read the same x chunks, so they
+// share one x ring (x_share): each fills its share of a stage, and a named barrier of the slice's warps at every
+// step (ring_sync; __syncwarp where a slice is one warp) makes the stage whole and frees the one read before.
+// The weight rings keep the rest of the bytes: at Ring16 5 stages a warp where KS = 8, 6 where it is 4 or less
+// (ring_stages). Lanes 0-15 issue the weights and lanes 16-31 the x, so each waits on its own cp.async groups:
+// the x of the next chunk lands without draining the weights issued before it (groups complete in order per
+// thread). Until session 43 a warp's stage held a chunk's weights and its x, issued together, which left
+// Ring16's ring 3 chunks deep (2 in flight) against 6 at 1 row, and every warp loaded every x chunk it used.
 enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16 };
 
 // XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
@@ -215,19 +219,26 @@ template <XLoad XL>
 __host__ __device__ constexpr int ring_x_rows() {
     return stage_x_rows(XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0);
 }
-// Ring8/Ring16's x ring: kXStages chunks of x rows a warp (x_ring_bytes; XR: x rows a stage, ring_x_rows).
+// Ring8/Ring16's x rings: kXStages chunks of XR x rows (ring_x_rows) each, one per k slice (x_share warps
+// share it; kExpWarpX: one per warp). x_ring_bytes: a block's.
 constexpr int kXStages = kExp & kExpX3 ? 3 : 2;
-__host__ __device__ constexpr int x_ring_bytes(int xr) { return kXStages * stage_x_rows(xr) * kRowBytes; }
-// The weight ring's stages: what the plain ring's bytes hold past SL slice stages and the x ring.
-template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
-__host__ __device__ constexpr int ring_stages() {
-    return (((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes - x_ring_bytes(XR)) /
-           kStageBytes;
+template <int KS>
+__host__ __device__ constexpr int x_share() { return kExp & kExpWarpX ? 1 : kWarps / KS; }
+template <int KS>
+__host__ __device__ constexpr int x_ring_bytes(int xr) {
+    return kWarps / x_share<KS>() * kXStages * stage_x_rows(xr) * kRowBytes;
 }
-// A warp's share of the rings' memory: its weight stages, then its x stages.
-template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
-__host__ __device__ constexpr int warp_ring_bytes() {
-    return ring_stages<TILED, PERSIST, SL, XR>() * kStageBytes + x_ring_bytes(XR);
+// A warp's weight ring stages: what the block's plain rings hold past SL slice stages a warp and the x rings.
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
+__host__ __device__ constexpr int ring_stages() {
+    return (kWarps * ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes -
+            x_ring_bytes<KS>(XR)) /
+           (kWarps * kStageBytes);
+}
+// The block's rings: the warps' weight rings, then the x rings.
+template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
+__host__ __device__ constexpr int ring_bytes() {
+    return kWarps * ring_stages<KS, TILED, PERSIST, SL, XR>() * kStageBytes + x_ring_bytes<KS>(XR);
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -518,7 +529,7 @@ __host__ __device__ constexpr size_t red_bytes() {
 // SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr size_t slice_offset() {
-    constexpr size_t ring = size_t(kWarps) * warp_ring_bytes<TILED, PERSIST, SL, XR>();
+    constexpr size_t ring = ring_bytes<KS, TILED, PERSIST, SL, XR>();
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
@@ -599,15 +610,27 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr bool kXRegs = !kSlice && !kRingX;  // x in registers (xa, xb)
     constexpr int kStage = kStageBytes;       // a weight ring stage: one chunk of the warp's weights
     constexpr int kXStage = XR * kRowBytes;  // an x ring stage (Ring8/16): one chunk of the tile's x rows
-    constexpr int S = ring_stages<TILED, PERSIST, SL, XR>();
-    constexpr int kWarpRing = warp_ring_bytes<TILED, PERSIST, SL, XR>();
+    constexpr int S = ring_stages<KS, TILED, PERSIST, SL, XR>();
     static_assert(S >= 3, "cp_async_wait<S - 2>: at least one chunk in flight past the one read");
     static_assert(!kRingX || kXStages >= 2, "cp_async_wait<kXStages - 2>: the x of the next chunk in flight");
+    constexpr int kShare = x_share<KS>();         // Ring8/16: warps that fill and read one x ring
+    constexpr int kXPieces = XR * 8 / kShare;  // ... and the 16-byte pieces of a stage each fills
+    static_assert(!kRingX || (XR * 8) % kShare == 0, "a stage's x pieces split evenly over the slice's warps");
     extern __shared__ __align__(16) unsigned char smem[];
     WarpTile<KS> wt(K, col_blocks);
     wt.template at<kSwiGLU>(blockIdx.y, pair);
-    unsigned char *ring = smem + size_t(wt.warp) * kWarpRing;
-    unsigned char *xring = ring + S * kStage;  // Ring8/16
+    unsigned char *ring = smem + size_t(wt.warp) * S * kStage;
+    // Ring8/16: the x ring of this warp's k slice (kShare == 1: the warp's own), after every weight ring
+    unsigned char *xring =
+        smem + size_t(kWarps) * S * kStage + (kShare == 1 ? wt.warp : wt.slice) * kXStages * kXStage;
+    // The warp's step barrier: its slice's warps where they share an x ring (named barrier 1 + slice; 0 is
+    // __syncthreads'), else the warp's lanes.
+    auto ring_sync = [&]() {
+        if constexpr (kRingX && kShare > 1)
+            named_barrier_sync(1 + wt.slice, kShare * 32);
+        else
+            __syncwarp();
+    };
     const int64_t n_chunks = max(int64_t(0), wt.c_end - wt.c_begin);
     const int64_t k_chunks = (K + kChunk - 1) / kChunk;
     // This block's column blocks: blockIdx.y, + gridDim.y, ... (one unless PERSIST). Its warp's chunks
@@ -634,16 +657,19 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // next x chunk's position in its column block's slice, xfs its x slot; x_filled: x chunks issued).
     int64_t x_fj = 0, x_filled = 0;
     int xfs = 0;
-    auto fill_x_next = [&]() {
+    auto fill_x_next = [&]() {  // this warp's kXPieces of the stage: pieces group * kXPieces .. (shared)
         if (!(kExp & kExpNoX) && wt.lane >= 16) {
             const int64_t c0 = (wt.c_begin + x_fj) * kChunk;
             unsigned char *xslot = xring + xfs * kXStage;
 #pragma unroll
-            for (int i = 0; i < XR * 8 / 16; ++i) {
-                const int p = wt.lane - 16 + 16 * i, r = p >> 3, part = p & 7;
-                const int64_t row = wt.m0 + r, k = c0 + part * 8;
-                const bool ok = row < M && k < K;
-                cp_async16(xslot + ring_offset(r, part), ok ? x + row * ldx + k : x, ok);
+            for (int i = 0; i < (kXPieces + 15) / 16; ++i) {
+                const int pl = wt.lane - 16 + 16 * i;
+                if (kXPieces % 16 == 0 || pl < kXPieces) {
+                    const int p = (kShare == 1 ? 0 : wt.group) * kXPieces + pl, r = p >> 3, part = p & 7;
+                    const int64_t row = wt.m0 + r, k = c0 + part * 8;
+                    const bool ok = row < M && k < K;
+                    cp_async16(xslot + ring_offset(r, part), ok ? x + row * ldx + k : x, ok);
+                }
             }
         }
         ++x_filled;
@@ -794,7 +820,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if (kXRegs && x_loaded < total) load_x_next(xa);
     if (kXRegs && TILED && x_loaded < total) load_x_next(xb);
     bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
-    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * kWarpRing)
+    float *red = PERSIST ? reinterpret_cast<float *>(smem + ring_bytes<KS, TILED, PERSIST, SL, XR>())
                          : reinterpret_cast<float *>(smem);
     // kNorm: the rows' factors, read by finish_pass after a barrier (finish_tile's, or full[b]). Only the
     // epilogue reads them, so with late_scales (late_scales_at) they are computed after the k loop (a persistent
@@ -830,7 +856,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 cp_async_wait<(kRingX ? kXStages : 2) - 2>();  // this lane's pieces of this chunk's x have landed
             else
                 cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
-            __syncwarp();            // ... and every lane's; all are done reading the one before
+            ring_sync();             // ... and every lane's (Ring8/16: of the x stage, every sharing warp's);
+                                     // all are done reading the one before
             if (filled < total) {
                 fill_next();  // into the slot read last step
                 if (issued_trigger && filled == total) {  // this warp's last weight load is out
