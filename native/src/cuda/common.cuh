@@ -153,12 +153,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// A named barrier (bar.sync): the `count` threads (whole warps) that call it with this id wait for each other, and
-// their earlier shared-memory accesses are ordered before what any of them does after it. Id 0 is __syncthreads'.
-__device__ __forceinline__ void named_barrier_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // Shared-memory mbarriers (sm_80+): init with an arrival count, arrive (release: this thread's earlier
 // shared-memory accesses are ordered before what a waiter does after its wait), and wait for the
 // completion of the phase of the given parity (acquire). Phase k of a barrier completes when `count`

@@ -105,10 +105,8 @@ constexpr int kExp = DFLASH_GEMM_EXP;
 // kExpPlainRing: launches that would take x in the ring (XLoad::Ring8, Ring16) take the plain ring of weights
 // instead (7 chunks a warp against Ring16's 3; x then as the register path loads it, or with kExpNoX not at all):
 // against kExpNoX alone, what the ring's depth costs a 16-row GEMM.
-// kExpX3: the x rings of Ring8/Ring16 launches 3 stages deep instead of 2. kExpWarpX: an x ring per warp instead
-// of one per k slice shared by the slice's warps (every warp then loads the whole chunk's x). Both give correct sums.
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
-              kExpNoWait = 32, kExpPlainRing = 64, kExpX3 = 128, kExpWarpX = 256;
+              kExpNoWait = 32, kExpPlainRing = 64;
 
 constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
 constexpr int kTileM = 16;    // rows per mma tile
@@ -192,16 +190,10 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // the wait returns, the warp then runs at one x round trip per two chunks (session 21: the GEMM chain
 // 0.28 ms faster at 1 row with no x loads at all; session 22: three or four register sets ahead did not
 // help). One burst of loads per warp puts every x round trip of the slice into one.
-// Ring8, Ring16 (tiled, M >= 2; where ring_x_choice says so): x by cp.async into rings of their own next to the
-// weights' (kXStages stages of a chunk's x rows: Ring8 rows g only, M <= 8; Ring16 the tile's 16; rows past M
-// and halves past K zero-filled). The warps of a k slice (one per column group) read the same x chunks, so they
-// share one x ring (x_share): each fills its share of a stage, and a named barrier of the slice's warps at every
-// step (ring_sync; __syncwarp where a slice is one warp) makes the stage whole and frees the one read before.
-// The weight rings keep the rest of the bytes: at Ring16 5 stages a warp where KS = 8, 6 where it is 4 or less
-// (ring_stages). Lanes 0-15 issue the weights and lanes 16-31 the x, so each waits on its own cp.async groups:
-// the x of the next chunk lands without draining the weights issued before it (groups complete in order per
-// thread). Until session 43 a warp's stage held a chunk's weights and its x, issued together, which left
-// Ring16's ring 3 chunks deep (2 in flight) against 6 at 1 row, and every warp loaded every x chunk it used.
+// Ring8, Ring16 (tiled, M >= 2; where ring_x_choice says so): each ring stage holds a chunk's
+// weights and its x rows (Ring8: rows g only, M <= 8; Ring16: the tile's 16), issued by cp.async with the
+// weights (rows past M and halves past K zero-filled), so a chunk's x is in flight as long as its weights;
+// the stages this takes leave the ring 4 (Ring8) or 3 (Ring16) chunks deep.
 enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16 };
 
 // XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
@@ -219,26 +211,11 @@ template <XLoad XL>
 __host__ __device__ constexpr int ring_x_rows() {
     return stage_x_rows(XL == XLoad::Ring8 ? 8 : XL == XLoad::Ring16 ? 16 : 0);
 }
-// Ring8/Ring16's x rings: kXStages chunks of XR x rows (ring_x_rows) each, one per k slice (x_share warps
-// share it; kExpWarpX: one per warp). x_ring_bytes: a block's.
-constexpr int kXStages = kExp & kExpX3 ? 3 : 2;
-template <int KS>
-__host__ __device__ constexpr int x_share() { return kExp & kExpWarpX ? 1 : kWarps / KS; }
-template <int KS>
-__host__ __device__ constexpr int x_ring_bytes(int xr) {
-    return kWarps / x_share<KS>() * kXStages * stage_x_rows(xr) * kRowBytes;
-}
-// A warp's weight ring stages: what the block's plain rings hold past SL slice stages a warp and the x rings.
-template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
+// XR: x rows per stage (ring_x_rows); the stages then fit in the bytes of the plain ring.
+template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr int ring_stages() {
-    return (kWarps * ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes -
-            x_ring_bytes<KS>(XR)) /
-           (kWarps * kStageBytes);
-}
-// The block's rings: the warps' weight rings, then the x rings.
-template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
-__host__ __device__ constexpr int ring_bytes() {
-    return kWarps * ring_stages<KS, TILED, PERSIST, SL, XR>() * kStageBytes + x_ring_bytes<KS>(XR);
+    return ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
+           (kStageBytes + stage_x_rows(XR) * kRowBytes);
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -529,7 +506,8 @@ __host__ __device__ constexpr size_t red_bytes() {
 // SL (XLoad::Slice, Slice2): then the warps' x slices, from slice_offset.
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr size_t slice_offset() {
-    constexpr size_t ring = ring_bytes<KS, TILED, PERSIST, SL, XR>();
+    constexpr size_t ring =
+        size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + stage_x_rows(XR) * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
@@ -608,29 +586,13 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr bool kRingX = XR > 0;
     static_assert(!kRingX || TILED, "x in the ring: the tiled kernel");
     constexpr bool kXRegs = !kSlice && !kRingX;  // x in registers (xa, xb)
-    constexpr int kStage = kStageBytes;       // a weight ring stage: one chunk of the warp's weights
-    constexpr int kXStage = XR * kRowBytes;  // an x ring stage (Ring8/16): one chunk of the tile's x rows
-    constexpr int S = ring_stages<KS, TILED, PERSIST, SL, XR>();
+    constexpr int kStage = kStageBytes + XR * kRowBytes;  // a ring stage: a chunk's weights, then its x rows
+    constexpr int S = ring_stages<TILED, PERSIST, SL, XR>();
     static_assert(S >= 3, "cp_async_wait<S - 2>: at least one chunk in flight past the one read");
-    static_assert(!kRingX || kXStages >= 2, "cp_async_wait<kXStages - 2>: the x of the next chunk in flight");
-    constexpr int kShare = x_share<KS>();         // Ring8/16: warps that fill and read one x ring
-    constexpr int kXPieces = XR * 8 / kShare;  // ... and the 16-byte pieces of a stage each fills
-    static_assert(!kRingX || (XR * 8) % kShare == 0, "a stage's x pieces split evenly over the slice's warps");
     extern __shared__ __align__(16) unsigned char smem[];
     WarpTile<KS> wt(K, col_blocks);
     wt.template at<kSwiGLU>(blockIdx.y, pair);
     unsigned char *ring = smem + size_t(wt.warp) * S * kStage;
-    // Ring8/16: the x ring of this warp's k slice (kShare == 1: the warp's own), after every weight ring
-    unsigned char *xring =
-        smem + size_t(kWarps) * S * kStage + (kShare == 1 ? wt.warp : wt.slice) * kXStages * kXStage;
-    // The warp's step barrier: its slice's warps where they share an x ring (named barrier 1 + slice; 0 is
-    // __syncthreads'), else the warp's lanes.
-    auto ring_sync = [&]() {
-        if constexpr (kRingX && kShare > 1)
-            named_barrier_sync(1 + wt.slice, kShare * 32);
-        else
-            __syncwarp();
-    };
     const int64_t n_chunks = max(int64_t(0), wt.c_end - wt.c_begin);
     const int64_t k_chunks = (K + kChunk - 1) / kChunk;
     // This block's column blocks: blockIdx.y, + gridDim.y, ... (one unless PERSIST). Its warp's chunks
@@ -653,28 +615,16 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // fj of column block f_cb, into ring slot fs; f_col0 its first column.
     int64_t f_cb = blockIdx.y, f_col0 = wt.col0, f_j = 0, filled = 0;
     int fs = 0;
-    // Ring8/16: the x chunks go through their own ring in the same sequence, issued by lanes 16-31 (x_fj: the
-    // next x chunk's position in its column block's slice, xfs its x slot; x_filled: x chunks issued).
-    int64_t x_fj = 0, x_filled = 0;
-    int xfs = 0;
-    auto fill_x_next = [&]() {  // this warp's kXPieces of the stage: pieces group * kXPieces .. (shared)
-        if (!(kExp & kExpNoX) && wt.lane >= 16) {
-            const int64_t c0 = (wt.c_begin + x_fj) * kChunk;
-            unsigned char *xslot = xring + xfs * kXStage;
+    // Ring8/16: chunk c0's x rows into the stage after its weights (x_ready: past griddepcontrol.wait).
+    bool x_ready = false;
+    auto fill_x = [&](unsigned char *slot, int64_t c0) {
 #pragma unroll
-            for (int i = 0; i < (kXPieces + 15) / 16; ++i) {
-                const int pl = wt.lane - 16 + 16 * i;
-                if (kXPieces % 16 == 0 || pl < kXPieces) {
-                    const int p = (kShare == 1 ? 0 : wt.group) * kXPieces + pl, r = p >> 3, part = p & 7;
-                    const int64_t row = wt.m0 + r, k = c0 + part * 8;
-                    const bool ok = row < M && k < K;
-                    cp_async16(xslot + ring_offset(r, part), ok ? x + row * ldx + k : x, ok);
-                }
-            }
+        for (int i = 0; i < XR * 8 / 32; ++i) {
+            const int p = wt.lane + 32 * i, r = p >> 3, part = p & 7;
+            const int64_t row = wt.m0 + r, k = c0 + part * 8;
+            const bool ok = row < M && k < K;
+            cp_async16(slot + kStageBytes + ring_offset(r, part), ok ? x + row * ldx + k : x, ok);
         }
-        ++x_filled;
-        xfs = xfs + 1 == kXStages ? 0 : xfs + 1;
-        x_fj = PERSIST && x_fj + 1 == n_chunks ? 0 : x_fj + 1;
     };
     auto fill_next = [&]() {
         const int64_t c0 = (wt.c_begin + f_j) * kChunk;
@@ -683,20 +633,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if constexpr (TILED) {  // one 2 KB tile (band col0 / 16, chunk c_begin + j): piece p at p * 16 bytes
             const bf16 *tile =
                 w + (band_ok ? ((f_col0 / kTileRows) * k_chunks + wt.c_begin + f_j) * (kTileRows * kTileCols) : 0);
-            if constexpr (kRingX) {  // lanes 0-15 (16-31 fill the x ring)
-                if (wt.lane < 16) {
 #pragma unroll
-                    for (int q = 0; q < kNt * 64 / 16; ++q) {
-                        const int p = wt.lane + 16 * q, r = p >> 3, part = p & 7;
-                        cp_async16(slot + ring_offset(r, part), band_ok ? tile + p * 8 : w, band_ok);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int q = 0; q < kNt * 64 / 32; ++q) {
-                    const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
-                    cp_async16(slot + ring_offset(r, part), band_ok ? tile + p * 8 : w, band_ok);
-                }
+            for (int q = 0; q < kNt * 64 / 32; ++q) {
+                const int p = wt.lane + 32 * q, r = p >> 3, part = p & 7;
+                cp_async16(slot + ring_offset(r, part), band_ok ? tile + p * 8 : w, band_ok);
             }
         } else {
 #pragma unroll
@@ -707,6 +647,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 cp_async16(slot + ring_offset(r, part), ok ? w + n * K + k : w, ok);
             }
         }
+        if constexpr (kRingX)
+            if (x_ready) fill_x(slot, c0);
         ++filled;
         fs = fs + 1 == S ? 0 : fs + 1;
         if (PERSIST && ++f_j == n_chunks) {  // on to this block's next column block
@@ -757,15 +699,13 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         __syncwarp();
     }
     int64_t sj = 0;  // Slice: the slice's chunk of the step
-    // Ring8/16: the x ring's first kXStages - 1 chunks, a group each, committed by the x lanes only, so a
-    // weight lane's chunk j stays its group j (the wait at step j: cp_async_wait<S - 2>) and an x lane's x
-    // chunk j the group kXStages - 2 before its last at step j (cp_async_wait<kXStages - 2>).
+    // Ring8/16: the x of the chunks filled before the wait (sequence positions 0.., slots 0..), one group;
+    // the first step waits for every group (that one was issued last), the rest as before.
+    bool first_step = true;
     if constexpr (kRingX) {
-#pragma unroll
-        for (int i = 0; i < kXStages - 1; ++i) {
-            if (x_filled < total) fill_x_next();
-            if (wt.lane >= 16) cp_async_commit();
-        }
+        for (int64_t i = 0; i < filled; ++i) fill_x(ring + i * kStage, (wt.c_begin + i % n_chunks) * kChunk);
+        cp_async_commit();
+        x_ready = true;
     }
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
@@ -820,7 +760,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     if (kXRegs && x_loaded < total) load_x_next(xa);
     if (kXRegs && TILED && x_loaded < total) load_x_next(xb);
     bool x_odd = false;  // PERSIST with an odd chunk count: this column block's first chunk is in xb
-    float *red = PERSIST ? reinterpret_cast<float *>(smem + ring_bytes<KS, TILED, PERSIST, SL, XR>())
+    float *red = PERSIST ? reinterpret_cast<float *>(smem + size_t(kWarps) * S * kStage)
                          : reinterpret_cast<float *>(smem);
     // kNorm: the rows' factors, read by finish_pass after a barrier (finish_tile's, or full[b]). Only the
     // epilogue reads them, so with late_scales (late_scales_at) they are computed after the k loop (a persistent
@@ -844,7 +784,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         else if (!late_scales)
             compute_scales();
     }
-    int rs = 0, rxs = 0;  // the ring slot read next; Ring8/16: the x ring's
+    int rs = 0;  // the ring slot read next
     for (int64_t t = 0; t < my_tiles; ++t) {
         if (PERSIST && t > 0) wt.template at<kSwiGLU>(blockIdx.y + t * gridDim.y, pair);
         float acc[kNt][4] = {};
@@ -852,12 +792,13 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         // xc; the next x chunk due goes into xn (tiled: xc itself, after the mma; row-major: a fresh set,
         // before it).
         auto step = [&](uint32_t (&xc)[2][8], uint32_t (&xn)[2][8]) {
-            if (kRingX && wt.lane >= 16)
-                cp_async_wait<(kRingX ? kXStages : 2) - 2>();  // this lane's pieces of this chunk's x have landed
-            else
+            if (kRingX && first_step) {  // the x of the chunks filled before the wait: the last group
+                cp_async_wait<0>();
+                first_step = false;
+            } else {
                 cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
-            ring_sync();             // ... and every lane's (Ring8/16: of the x stage, every sharing warp's);
-                                     // all are done reading the one before
+            }
+            __syncwarp();            // ... and every lane's; all are done reading the one before
             if (filled < total) {
                 fill_next();  // into the slot read last step
                 if (issued_trigger && filled == total) {  // this warp's last weight load is out
@@ -865,7 +806,6 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                     issued_trigger = false;
                 }
             }
-            if (kRingX && x_filled < total) fill_x_next();  // the x ring's slot read last step
             cp_async_commit();
 
             uint32_t wb[kNt][8];
@@ -887,9 +827,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 xc[0][4] = v1.x & keep, xc[0][5] = v1.y & keep, xc[0][6] = v1.z & keep, xc[0][7] = v1.w & keep;
                 sj = PERSIST && sj + 1 == n_chunks ? 0 : sj + 1;
             }
-            if constexpr (kRingX) {  // rows g (and g + 8) of the x stage: zeros past M and K as filled
-                const unsigned char *xs = xring + rxs * kXStage;
-                rxs = rxs + 1 == kXStages ? 0 : rxs + 1;
+            if constexpr (kRingX) {  // rows g (and g + 8) of the stage's x: zeros past M and K as filled
+                const unsigned char *xs = slot + kStageBytes;
 #pragma unroll
                 for (int r = 0; r < XR / 8; ++r) {
                     const uint4 v0 = *reinterpret_cast<const uint4 *>(xs + ring_offset(r * 8 + wt.g, 2 * wt.q));
