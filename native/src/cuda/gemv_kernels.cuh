@@ -618,6 +618,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // Ring8/16: chunk c0's x rows into the stage after its weights (x_ready: past griddepcontrol.wait).
     bool x_ready = false;
     auto fill_x = [&](unsigned char *slot, int64_t c0) {
+        if constexpr (kExp & kExpNoX) return;  // x stays whatever the stage held (timing builds only)
 #pragma unroll
         for (int i = 0; i < XR * 8 / 32; ++i) {
             const int p = wt.lane + 32 * i, r = p >> 3, part = p & 7;
