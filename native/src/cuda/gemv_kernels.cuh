@@ -104,9 +104,11 @@ static_assert(kGemmProbePoints <= kProbeStamps, "a table row holds every point")
 constexpr int kExp = DFLASH_GEMM_EXP;
 // kExpPlainRing: launches that would take x in the ring (XLoad::Ring8, Ring16) take the plain ring of weights
 // instead (7 chunks a warp against Ring16's 3; x then as the register path loads it, or with kExpNoX not at all):
-// against kExpNoX alone, what the ring's depth costs a 16-row GEMM.
+// against kExpNoX alone, what the ring's depth costs a 16-row GEMM. kExpRingCap5 / kExpRingCap4 (with
+// kExpPlainRing): that plain ring capped at 5 / 4 chunks a warp, all 32 lanes issuing the weights (with kExpNoX:
+// the depth a design taking x outside the cp.async groups, e.g. by the bulk engine, would leave the weights).
 constexpr int kExpNoRowScales = 1, kExpNoStats = 2, kExpNoStore = 4, kExpNoX = 8, kExpNoFinish = 16,
-              kExpNoWait = 32, kExpPlainRing = 64;
+              kExpNoWait = 32, kExpPlainRing = 64, kExpRingCap5 = 128, kExpRingCap4 = 256;
 
 constexpr int kWarps = 8;     // per block: kWarps / ks column groups x ks k-slices
 constexpr int kTileM = 16;    // rows per mma tile
@@ -214,8 +216,10 @@ __host__ __device__ constexpr int ring_x_rows() {
 // XR: x rows per stage (ring_x_rows); the stages then fit in the bytes of the plain ring.
 template <bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 __host__ __device__ constexpr int ring_stages() {
-    return ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
-           (kStageBytes + stage_x_rows(XR) * kRowBytes);
+    constexpr int s = ((PERSIST ? kPersistStages : TILED ? kTiledStages : kStages) - SL) * kStageBytes /
+                      (kStageBytes + stage_x_rows(XR) * kRowBytes);
+    constexpr int cap = XR > 0 && (kExp & kExpPlainRing) ? (kExp & kExpRingCap4 ? 4 : kExp & kExpRingCap5 ? 5 : s) : s;
+    return s < cap ? s : cap;
 }
 
 // A 16-byte aligned x row (K % 8 == 0) in the ring-fed kernel, read without divergence: a row
@@ -515,6 +519,9 @@ constexpr size_t stream_smem_bytes() {
     constexpr size_t bytes = slice_offset<KS, TILED, PERSIST, SL, XR>() + size_t(SL) * kWarps * kStageBytes;
     static_assert(bytes <= slice_offset<KS, TILED, PERSIST, 0>(),
                   "x slices in place of ring stages: the blocks per SM stay as they were");
+    // kExpRingCap5/4: the capped ring in the plain ring's bytes, so the blocks per SM stay as they were
+    if constexpr (XR > 0 && (kExp & kExpPlainRing) && (kExp & (kExpRingCap5 | kExpRingCap4)))
+        return slice_offset<KS, TILED, PERSIST, 0>();
     return bytes;
 }
 
