@@ -8,7 +8,8 @@
 #   tools/gemm_exp_build.sh main:0 0 8          # main's gemv TUs at 0, then this tree's at 0 and 8
 # Bits: 1 no row_scales (folded-norm factors 1), 2 no kStats, 4 no stores, 8 no x loads, 16 no finish at all,
 # 32 no griddepcontrol.wait, 64 x-in-the-ring launches (Ring8/Ring16: 2-16 rows) take the plain ring of weights
-# instead (7 chunks a warp against Ring16's 3; 72 = 64 + 8: that ring and no x loads, against 8: the depth's cost).
+# instead (7 chunks a warp against Ring16's 3; 72 = 64 + 8: that ring and no x loads, against 8: the depth's cost),
+# 128 / 256 with 64: that ring capped at 5 / 4 chunks (200 = 128 + 64 + 8, 328 = 256 + 64 + 8: session 44).
 # Needs a configured build/local (cmake -DDFLASH_OP_TESTS=ON ...; ninja -C build/local gemm_chain_bench): the
 # other objects are linked from there. About 130 s of compiling per variant (the TUs
 # of a variant in parallel), two variants at a time.
