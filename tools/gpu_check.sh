@@ -381,6 +381,13 @@ if (( BUILD_OK && OPS )); then
         record test_ops_xring "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_xring.log $STAGE_NOTE \
             $(ops_counts "$LOGS/test_ops_xring.log")
         [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+        # x by the bulk-copy engine (XLoad::RingBulk, bit 16) wherever Ring8 / Ring16 would run, not persistent
+        run_stage test_ops_bulk "$LOGS/test_ops_bulk.log" env DFLASH_GEMM_X_RING=31 \
+            "$TEST_OPS" --seed "$SEED" --quick --filter gemm,logits
+        # shellcheck disable=SC2046
+        record test_ops_bulk "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_bulk.log $STAGE_NOTE \
+            $(ops_counts "$LOGS/test_ops_bulk.log")
+        [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
     fi
 elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed

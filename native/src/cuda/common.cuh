@@ -183,6 +183,50 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
 #endif
 }
 
+// The bulk-copy engine (sm_90+; elsewhere these trap, and the host never launches them there: DeviceFacts::bulk_ok).
+// bulk_expect(bar, bytes): one arrival on bar that also expects `bytes` to land by bulk copies in its phase;
+// bulk_copy(dst, src, bytes, bar): global -> shared, 16-byte aligned, bytes % 16 == 0, completing `bytes` of bar's
+// phase as they land (an L2 read, as cp.async.cg's). fence_proxy_async: this thread's generic shared-memory
+// accesses so far are ordered before later async-proxy (bulk copy) accesses: before a bulk copy refills what
+// this thread read, or after a barrier's init.
+__device__ __forceinline__ void bulk_expect(uint64_t *bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+                     unsigned(__cvta_generic_to_shared(bar))),
+                 "r"(bytes)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            unsigned(__cvta_generic_to_shared(dst))),
+        "l"(src), "r"(bytes), "r"(unsigned(__cvta_generic_to_shared(bar)))
+        : "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// After mbar_init of barriers that bulk copies complete: the inits visible to the async proxy.
+__device__ __forceinline__ void fence_bar_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_proxy_async();
+#else
+    __trap();
+#endif
+}
+
 // Programmatic dependent launch (sm_90+, on by default; DFLASH_PDL=0 turns it off; measured on the
 // H200: propose 4-6% and decode 4% faster, verify the same): kernels are launched with programmatic
 // stream serialization, so the next kernel's blocks may be scheduled while this one drains. Most

@@ -196,7 +196,20 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // weights and its x rows (Ring8: rows g only, M <= 8; Ring16: the tile's 16), issued by cp.async with the
 // weights (rows past M and halves past K zero-filled), so a chunk's x is in flight as long as its weights;
 // the stages this takes leave the ring 4 (Ring8) or 3 (Ring16) chunks deep.
-enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16 };
+// RingBulk (tiled, not persistent, K % 64 == 0, sm_90+; DFLASH_GEMM_X_RING bit 16 where Ring16 would run): the
+// weights in a plain ring of kBulkStages chunks, issued by all 32 lanes, and x through a ring of its own,
+// kBulkXStages chunks a warp, filled by the bulk-copy engine (one 128-byte cp.async.bulk per row < M, completing
+// on the stage's mbarrier), so no lane's cp.async groups wait on x and the weights keep 4 chunks in flight
+// (session 44, H100, the 16-row chain without x loads: 4 chunks as fast as 7, Ring16's 3 cost 0.08 ms and its x
+// loads 0.18). Rows past M are zeroed once (a bulk copy does not zero-fill); x is read into the same registers as
+// Ring16 reads it, so the sums are the same.
+enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk };
+constexpr int kBulkStages = 4, kBulkXStages = 2;
+// A bulk x stage: the tile's even rows, 16 bytes, then its odd rows, so rows g and g + 1, which a quarter-warp
+// reads at the same pieces, fall in different banks (a row's 128 bytes land as one copy: no swizzle).
+constexpr int kBulkOddRows = 8 * kRowBytes + 16;
+constexpr int kBulkXStageBytes = kBulkOddRows + 8 * kRowBytes;
+__device__ __forceinline__ int bulk_x_offset(int r) { return (r & 1) * kBulkOddRows + (r >> 1) * kRowBytes; }
 
 // XLoad::Slice (Slice2): the ring gives one (two) of its chunks to the x slices, kWarps slices of up to 16
 // (32) chunks of one row (128 bytes a chunk), so two blocks still fit on an SM. SL: the ring chunks given.
@@ -514,6 +527,19 @@ __host__ __device__ constexpr size_t slice_offset() {
         size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + stage_x_rows(XR) * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
+// XLoad::RingBulk: the warps' weight rings (RING bytes a warp), then their x rings, then the x stages' mbarriers
+// (finish_tile reuses the rings as it does the plain ring's; red_bytes lies within the weight rings).
+template <int RING>
+__host__ __device__ constexpr size_t bulk_bars_offset() {
+    return size_t(kWarps) * (RING + kBulkXStages * kBulkXStageBytes);
+}
+template <int KS>
+constexpr size_t bulk_smem_bytes() {
+    constexpr size_t bytes = bulk_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kBulkXStages * 8;
+    static_assert(red_bytes<KS>() <= size_t(kWarps) * kBulkStages * kStageBytes, "finish_tile's partials in the rings");
+    static_assert(bytes <= slice_offset<KS, true>(), "the bulk rings in the plain ring's bytes: blocks per SM stay");
+    return bytes;
+}
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
 constexpr size_t stream_smem_bytes() {
     constexpr size_t bytes = slice_offset<KS, TILED, PERSIST, SL, XR>() + size_t(SL) * kWarps * kStageBytes;
@@ -592,9 +618,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr int XR = ring_x_rows<XL>();
     constexpr bool kRingX = XR > 0;
     static_assert(!kRingX || TILED, "x in the ring: the tiled kernel");
-    constexpr bool kXRegs = !kSlice && !kRingX;  // x in registers (xa, xb)
+    constexpr bool kBulk = XL == XLoad::RingBulk;
+    static_assert(!kBulk || (TILED && !PERSIST), "bulk x: the tiled kernel, not persistent");
+    constexpr bool kXRegs = !kSlice && !kRingX && !kBulk;  // x in registers (xa, xb)
     constexpr int kStage = kStageBytes + XR * kRowBytes;  // a ring stage: a chunk's weights, then its x rows
-    constexpr int S = ring_stages<TILED, PERSIST, SL, XR>();
+    constexpr int S = kBulk ? kBulkStages : ring_stages<TILED, PERSIST, SL, XR>();
     static_assert(S >= 3, "cp_async_wait<S - 2>: at least one chunk in flight past the one read");
     extern __shared__ __align__(16) unsigned char smem[];
     WarpTile<KS> wt(K, col_blocks);
@@ -672,6 +700,32 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         if (filled < total) fill_next();
         cp_async_commit();  // empty groups keep the wait count uniform
     }
+    // RingBulk: the warp's x ring (after every warp's weight ring), its stages' mbarriers, and the rows past M
+    // zeroed in both stages (never copied to); bulk_rows rows of each chunk are copied, chunk i into stage i % 2.
+    [[maybe_unused]] unsigned char *xring =
+        smem + size_t(kWarps) * S * kStage + size_t(wt.warp) * kBulkXStages * kBulkXStageBytes;
+    [[maybe_unused]] uint64_t *xbar = reinterpret_cast<uint64_t *>(smem + bulk_bars_offset<S * kStage>()) +
+                                      wt.warp * kBulkXStages;
+    [[maybe_unused]] const int bulk_rows = int(M - wt.m0 < kTileM ? M - wt.m0 : kTileM);
+    auto bulk_issue = [&](int64_t i) {  // chunk i's rows, into stage i % 2; lane 0 has armed its barrier
+        if (wt.lane < bulk_rows)
+            bulk_copy(xring + (i & 1) * kBulkXStageBytes + bulk_x_offset(wt.lane),
+                      x + (wt.m0 + wt.lane) * ldx + (wt.c_begin + i) * kChunk, kRowBytes, &xbar[i & 1]);
+    };
+    if constexpr (kBulk) {
+        if (wt.lane == 0) {
+            for (int b = 0; b < kBulkXStages; ++b) mbar_init(&xbar[b], 1);
+            fence_bar_init();
+        }
+#pragma unroll
+        for (int i = 0; i < kBulkXStages * kTileM * 8 / 32; ++i) {
+            const int p = wt.lane + 32 * i, stage = p / (kTileM * 8), r = (p >> 3) % kTileM, part = p & 7;
+            if (r >= bulk_rows)
+                *reinterpret_cast<uint4 *>(xring + stage * kBulkXStageBytes + bulk_x_offset(r) + part * 16) =
+                    make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+    }
     // Every load of a warp whose whole sequence fits the ring's lead is issued already.
     if (issued_trigger && filled == total) {
         pdl_launch_dependents();
@@ -714,6 +768,14 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         for (int64_t i = 0; i < filled; ++i) fill_x(ring + i * kStage, (wt.c_begin + i % n_chunks) * kChunk);
         cp_async_commit();
         x_ready = true;
+    }
+    int64_t bj = 0;  // RingBulk: the chunk consumed next; chunk bj + 1 is copied during its step
+    if constexpr (kBulk) {
+        if (total > 0) {
+            if (wt.lane == 0) bulk_expect(&xbar[0], unsigned(bulk_rows * kRowBytes));
+            __syncwarp();
+            bulk_issue(0);
+        }
     }
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
@@ -806,6 +868,10 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             } else {
                 cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             }
+            // RingBulk: the next chunk's stage (read two steps ago, its phase waited for by every lane since)
+            // armed before the barrier below, its copies issued after it (no lane reads that stage any more)
+            const bool bulk_next = kBulk && bj + 1 < total;
+            if (bulk_next && wt.lane == 0) bulk_expect(&xbar[(bj + 1) & 1], unsigned(bulk_rows * kRowBytes));
             __syncwarp();            // ... and every lane's; all are done reading the one before
             if (filled < total) {
                 fill_next();  // into the slot read last step
@@ -815,6 +881,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 }
             }
             cp_async_commit();
+            if (bulk_next) bulk_issue(bj + 1);
 
             uint32_t wb[kNt][8];
             const unsigned char *slot = ring + rs * kStage;
@@ -844,6 +911,20 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                     xc[r][0] = v0.x, xc[r][1] = v0.y, xc[r][2] = v0.z, xc[r][3] = v0.w;
                     xc[r][4] = v1.x, xc[r][5] = v1.y, xc[r][6] = v1.z, xc[r][7] = v1.w;
                 }
+            }
+            if constexpr (kBulk) {  // rows g and g + 8 of chunk bj's stage, once its copies have landed
+                mbar_wait(&xbar[bj & 1], unsigned(bj >> 1) & 1u);
+                const unsigned char *xs = xring + (bj & 1) * kBulkXStageBytes;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const unsigned char *row = xs + bulk_x_offset(r * 8 + wt.g) + wt.q * 32;
+                    const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
+                    const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
+                    xc[r][0] = v0.x, xc[r][1] = v0.y, xc[r][2] = v0.z, xc[r][3] = v0.w;
+                    xc[r][4] = v1.x, xc[r][5] = v1.y, xc[r][6] = v1.z, xc[r][7] = v1.w;
+                }
+                fence_proxy_async();  // these reads before the bulk copy that refills the stage (two steps on)
+                ++bj;
             }
             if (kXRegs && !TILED && x_loaded < total) load_x_next(xn);
             mask_x(xc);
@@ -929,6 +1010,7 @@ struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
     int persist_blocks_per_sm = 0;                                    // the persistent tiled kernel
     bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (StreamOccupancy)
+    bool bulk_ok = false;  // sm_90+: the bulk-copy engine (XLoad::RingBulk)
 };
 const DeviceFacts &device_facts();
 int pdl_trigger(int64_t M);
@@ -1052,8 +1134,11 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const bool slice_ok = w_tiled && x_vec && M == 1 && (!persist || kPersistSlices) && slice_enabled(persist != 0);
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
-            // xr: x in the ring (Ring8 / Ring16; ring_x_choice)
-            const int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
+            // xr: x in the ring (Ring8 / Ring16; ring_x_choice), bulk: Ring16's launch with x by bulk copies
+            // (32 from ring_x_choice, where whole chunks (K % 64 == 0) and the device (sm_90+) allow; else Ring16)
+            int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
+            const bool bulk = xr == 32 && !persist && K % kChunk == 0 && device_facts().bulk_ok;
+            if (xr == 32) xr = 16;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
                             kR8 = XLoad::Ring8, kR16 = XLoad::Ring16;
             decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
@@ -1069,6 +1154,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
                            : sl == 1  ? gemm_stream_kernel<KS, E, true, kS, false, FUSE>
                            : sl == 2  ? gemm_stream_kernel<KS, E, true, kS2, false, FUSE>
+                           : bulk     ? gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>
                            : xr == 8  ? gemm_stream_kernel<KS, E, true, kR8, false, FUSE>
                            : xr == 16 ? gemm_stream_kernel<KS, E, true, kR16, false, FUSE>
                            : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
@@ -1082,6 +1168,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                                        : stream_smem_bytes<KS, true, true>())
                                 : sl == 1 ? stream_smem_bytes<KS, true, false, 1>()
                                 : sl == 2 ? stream_smem_bytes<KS, true, false, 2>()
+                                : bulk    ? bulk_smem_bytes<KS>()
                                 : xr == 8 ? stream_smem_bytes<KS, true, false, 0, 8>()
                                 : xr == 16 ? stream_smem_bytes<KS, true, false, 0, 16>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
@@ -1135,6 +1222,7 @@ void allow_stream_smem() {
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, false, FUSE>, stream_smem_bytes<KS, true, false, 0, 16>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring8, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 8>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 16>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>, bulk_smem_bytes<KS>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
