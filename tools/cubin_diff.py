@@ -156,7 +156,7 @@ def main(argv=None):
         for (status, _), nice in zip(rows, names):
             totals[status] = totals.get(status, 0) + 1
             if status != "same":
-                print(f"  {status:8s} {nice[:150]}")
+                print(f"  {status:8s} {nice.replace('dflash::cuda::(anonymous namespace)::', '')[:220]}")
     print("kernels: " + ", ".join(f"{v} {k}" for k, v in sorted(totals.items())) + f" (the tree against {args.rev})")
     if args.sass:
         for f in files:

@@ -103,17 +103,17 @@ bool slice_enabled(bool persist) {
 // every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
 // but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
 // Bit 16 (not in the default; session 45, to measure): where Ring16 runs in a launch that is not persistent, x by the
-// bulk-copy engine instead (XLoad::RingBulk; 32 here, launch_gemm falls back to Ring16 where K % 64 != 0 or the
-// device is older than sm_90), so =19 swaps it in where the default takes Ring16.
-// A value that is not a mask (0 to 31) fails every call, as DFLASH_ATTN_FILL does.
+// bulk-copy engine instead (XLoad::RingBulk; 32 here, 33 with bit 32 too: RingBulkFence; launch_gemm falls back to
+// Ring16 where K % 64 != 0 or the device is older than sm_90), so =19 swaps it in where the default takes Ring16.
+// A value that is not a mask (0 to 63) fails every call, as DFLASH_ATTN_FILL does.
 int ring_x_choice(int64_t M, bool persist, bool norm) {
-    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 31);
-    const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 31)");
+    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 63);
+    const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 63)");
     if (M < 2) return 0;
     if (M <= 8) return mask & 1 ? 8 : 0;
     const int bit = persist ? 8 : norm ? 4 : 2;
     if (!(mask & bit)) return 0;
-    return mask & 16 && !persist ? 32 : 16;
+    return mask & 16 && !persist ? (mask & 32 ? 33 : 32) : 16;
 }
 
 // Where a folded norm's row factors are computed (gemm_stream_kernel's late_scales): after the k loop, not

@@ -198,13 +198,17 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // the stages this takes leave the ring 4 (Ring8) or 3 (Ring16) chunks deep.
 // RingBulk (tiled, not persistent, K % 64 == 0, sm_90+; DFLASH_GEMM_X_RING bit 16 where Ring16 would run): the
 // weights in a plain ring of kBulkStages chunks, issued by all 32 lanes, and x through a ring of its own,
-// kBulkXStages chunks a warp, filled by the bulk-copy engine (one 128-byte cp.async.bulk per row < M, completing
-// on the stage's mbarrier), so no lane's cp.async groups wait on x and the weights keep 4 chunks in flight
-// (session 44, H100, the 16-row chain without x loads: 4 chunks as fast as 7, Ring16's 3 cost 0.08 ms and its x
-// loads 0.18). Rows past M are zeroed once (a bulk copy does not zero-fill); x is read into the same registers as
-// Ring16 reads it, so the sums are the same.
-enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk };
-constexpr int kBulkStages = 4, kBulkXStages = 2;
+// kBulkXStages chunks a warp (copied kBulkXStages - 1 chunks ahead), filled by the bulk-copy engine (one 128-byte
+// cp.async.bulk per row < M, completing on the stage's mbarrier), so no lane's cp.async groups wait on x and the
+// weights keep 4 chunks in flight (session 44, H100, the 16-row chain without x loads: 4 chunks as fast as 7,
+// Ring16's 3 cost 0.08 ms and its x loads 0.18). Rows past M are zeroed once (a bulk copy does not zero-fill); x
+// is read into the same registers as Ring16 reads it, so the sums are the same. RingBulkFence (bits 16 + 32):
+// the same with a proxy fence (fence.proxy.async) after each step's x reads, before a copy refills the stage.
+// Session 45, H100, with 2 x stages and the fence: correct, and 11% slower (the 16-row chain 5.59 ms against
+// 5.04), hence 3 stages, and the fence on its own switch (CUTLASS's TMA pipelines order a refill after the
+// readers' barrier alone).
+enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk, RingBulkFence };
+constexpr int kBulkStages = 4, kBulkXStages = 3;
 // A bulk x stage: the tile's even rows, 16 bytes, then its odd rows, so rows g and g + 1, which a quarter-warp
 // reads at the same pieces, fall in different banks (a row's 128 bytes land as one copy: no swizzle).
 constexpr int kBulkOddRows = 8 * kRowBytes + 16;
@@ -537,7 +541,9 @@ template <int KS>
 constexpr size_t bulk_smem_bytes() {
     constexpr size_t bytes = bulk_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kBulkXStages * 8;
     static_assert(red_bytes<KS>() <= size_t(kWarps) * kBulkStages * kStageBytes, "finish_tile's partials in the rings");
-    static_assert(bytes <= slice_offset<KS, true>(), "the bulk rings in the plain ring's bytes: blocks per SM stay");
+    // two blocks an SM as the tiled kernel's (sm_90: 228 KB a multiprocessor, 1 KB of it reserved a block, and
+    // at most 128 bytes of static shared memory: kNorm's scales)
+    static_assert(2 * (bytes + 1024 + 128) <= 228 * 1024, "the bulk rings: two blocks an SM");
     return bytes;
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
@@ -618,7 +624,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr int XR = ring_x_rows<XL>();
     constexpr bool kRingX = XR > 0;
     static_assert(!kRingX || TILED, "x in the ring: the tiled kernel");
-    constexpr bool kBulk = XL == XLoad::RingBulk;
+    constexpr bool kBulk = XL == XLoad::RingBulk || XL == XLoad::RingBulkFence;
+    constexpr int kBulkLead = kBulkXStages - 1;  // x chunks copied ahead of the one read
     static_assert(!kBulk || (TILED && !PERSIST), "bulk x: the tiled kernel, not persistent");
     constexpr bool kXRegs = !kSlice && !kRingX && !kBulk;  // x in registers (xa, xb)
     constexpr int kStage = kStageBytes + XR * kRowBytes;  // a ring stage: a chunk's weights, then its x rows
@@ -701,16 +708,17 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // RingBulk: the warp's x ring (after every warp's weight ring), its stages' mbarriers, and the rows past M
-    // zeroed in both stages (never copied to); bulk_rows rows of each chunk are copied, chunk i into stage i % 2.
+    // zeroed in every stage (never copied to); bulk_rows rows of each chunk are copied, chunk i into stage
+    // i % kBulkXStages, whose barrier's phase i / kBulkXStages it completes.
     [[maybe_unused]] unsigned char *xring =
         smem + size_t(kWarps) * S * kStage + size_t(wt.warp) * kBulkXStages * kBulkXStageBytes;
     [[maybe_unused]] uint64_t *xbar = reinterpret_cast<uint64_t *>(smem + bulk_bars_offset<S * kStage>()) +
                                       wt.warp * kBulkXStages;
     [[maybe_unused]] const int bulk_rows = int(M - wt.m0 < kTileM ? M - wt.m0 : kTileM);
-    auto bulk_issue = [&](int64_t i) {  // chunk i's rows, into stage i % 2; lane 0 has armed its barrier
+    auto bulk_issue = [&](int64_t i, int stage) {  // chunk i's rows into `stage`; lane 0 has armed its barrier
         if (wt.lane < bulk_rows)
-            bulk_copy(xring + (i & 1) * kBulkXStageBytes + bulk_x_offset(wt.lane),
-                      x + (wt.m0 + wt.lane) * ldx + (wt.c_begin + i) * kChunk, kRowBytes, &xbar[i & 1]);
+            bulk_copy(xring + stage * kBulkXStageBytes + bulk_x_offset(wt.lane),
+                      x + (wt.m0 + wt.lane) * ldx + (wt.c_begin + i) * kChunk, kRowBytes, &xbar[stage]);
     };
     if constexpr (kBulk) {
         if (wt.lane == 0) {
@@ -769,13 +777,16 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
         cp_async_commit();
         x_ready = true;
     }
-    int64_t bj = 0;  // RingBulk: the chunk consumed next; chunk bj + 1 is copied during its step
+    // RingBulk: bj the chunk consumed next, in stage bs, its phase's parity bpar; chunk bj + kBulkLead is copied
+    // during its step, into the stage read the step before.
+    int64_t bj = 0;
+    int bs = 0;
+    unsigned bpar = 0;
     if constexpr (kBulk) {
-        if (total > 0) {
-            if (wt.lane == 0) bulk_expect(&xbar[0], unsigned(bulk_rows * kRowBytes));
-            __syncwarp();
-            bulk_issue(0);
-        }
+        if (wt.lane == 0)
+            for (int i = 0; i < kBulkLead && i < total; ++i) bulk_expect(&xbar[i], unsigned(bulk_rows * kRowBytes));
+        __syncwarp();
+        for (int i = 0; i < kBulkLead && i < total; ++i) bulk_issue(i, i);
     }
 
     const bool row0_ok = wt.m0 + wt.g < M, row1_ok = wt.m0 + wt.g + 8 < M;
@@ -870,8 +881,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             }
             // RingBulk: the next chunk's stage (read two steps ago, its phase waited for by every lane since)
             // armed before the barrier below, its copies issued after it (no lane reads that stage any more)
-            const bool bulk_next = kBulk && bj + 1 < total;
-            if (bulk_next && wt.lane == 0) bulk_expect(&xbar[(bj + 1) & 1], unsigned(bulk_rows * kRowBytes));
+            const bool bulk_next = kBulk && bj + kBulkLead < total;
+            const int bulk_stage = bs == 0 ? kBulkXStages - 1 : bs - 1;  // (bs + kBulkLead) % kBulkXStages
+            if (bulk_next && wt.lane == 0) bulk_expect(&xbar[bulk_stage], unsigned(bulk_rows * kRowBytes));
             __syncwarp();            // ... and every lane's; all are done reading the one before
             if (filled < total) {
                 fill_next();  // into the slot read last step
@@ -881,7 +893,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 }
             }
             cp_async_commit();
-            if (bulk_next) bulk_issue(bj + 1);
+            if (bulk_next) bulk_issue(bj + kBulkLead, bulk_stage);
 
             uint32_t wb[kNt][8];
             const unsigned char *slot = ring + rs * kStage;
@@ -913,8 +925,8 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                 }
             }
             if constexpr (kBulk) {  // rows g and g + 8 of chunk bj's stage, once its copies have landed
-                mbar_wait(&xbar[bj & 1], unsigned(bj >> 1) & 1u);
-                const unsigned char *xs = xring + (bj & 1) * kBulkXStageBytes;
+                mbar_wait(&xbar[bs], bpar);
+                const unsigned char *xs = xring + bs * kBulkXStageBytes;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const unsigned char *row = xs + bulk_x_offset(r * 8 + wt.g) + wt.q * 32;
@@ -923,8 +935,9 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                     xc[r][0] = v0.x, xc[r][1] = v0.y, xc[r][2] = v0.z, xc[r][3] = v0.w;
                     xc[r][4] = v1.x, xc[r][5] = v1.y, xc[r][6] = v1.z, xc[r][7] = v1.w;
                 }
-                fence_proxy_async();  // these reads before the bulk copy that refills the stage (two steps on)
+                if constexpr (XL == XLoad::RingBulkFence) fence_proxy_async();  // before the copy refilling it
                 ++bj;
+                if (++bs == kBulkXStages) bs = 0, bpar ^= 1u;
             }
             if (kXRegs && !TILED && x_loaded < total) load_x_next(xn);
             mask_x(xc);
@@ -1135,10 +1148,12 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
             // xr: x in the ring (Ring8 / Ring16; ring_x_choice), bulk: Ring16's launch with x by bulk copies
-            // (32 from ring_x_choice, where whole chunks (K % 64 == 0) and the device (sm_90+) allow; else Ring16)
+            // (32, 33 with the fence, from ring_x_choice, where whole chunks (K % 64 == 0) and the device (sm_90+)
+            // allow; else Ring16)
             int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
-            const bool bulk = xr == 32 && !persist && K % kChunk == 0 && device_facts().bulk_ok;
-            if (xr == 32) xr = 16;
+            const bool bulk = xr >= 32 && !persist && K % kChunk == 0 && device_facts().bulk_ok;
+            const bool bulk_fence = xr == 33;
+            if (xr >= 32) xr = 16;
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
                             kR8 = XLoad::Ring8, kR16 = XLoad::Ring16;
             decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
@@ -1154,7 +1169,8 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                               : gemm_stream_kernel<KS, E, false, kM, false, FUSE>)
                            : sl == 1  ? gemm_stream_kernel<KS, E, true, kS, false, FUSE>
                            : sl == 2  ? gemm_stream_kernel<KS, E, true, kS2, false, FUSE>
-                           : bulk     ? gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>
+                           : bulk     ? (bulk_fence ? gemm_stream_kernel<KS, E, true, XLoad::RingBulkFence, false, FUSE>
+                                                    : gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>)
                            : xr == 8  ? gemm_stream_kernel<KS, E, true, kR8, false, FUSE>
                            : xr == 16 ? gemm_stream_kernel<KS, E, true, kR16, false, FUSE>
                            : x_vec    ? (full ? gemm_stream_kernel<KS, E, true, kF, false, FUSE>
@@ -1223,6 +1239,7 @@ void allow_stream_smem() {
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring8, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 8>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 16>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>, bulk_smem_bytes<KS>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulkFence, false, FUSE>, bulk_smem_bytes<KS>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
