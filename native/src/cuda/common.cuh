@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap (a type only: the driver's functions come through cudaGetDriverEntryPointByVersion)
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -213,6 +214,20 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned b
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// One box of a 2-D tensor map (global -> shared, the map's swizzle and zero fill), coordinates {c0, c1} (innermost
+// first), completing the box's bytes (all of them, filled or not) on bar. dst 128-byte aligned (1024 with the
+// 128-byte swizzle, whose pattern follows the address); map: a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(unsigned(__cvta_generic_to_shared(bar)))
+        : "memory");
 #else
     __trap();
 #endif

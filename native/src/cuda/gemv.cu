@@ -103,17 +103,42 @@ bool slice_enabled(bool persist) {
 // every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
 // but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
 // Bit 16 (not in the default; session 45, to measure): where Ring16 runs in a launch that is not persistent, x by the
-// bulk-copy engine instead (XLoad::RingBulk; 32 here, 33 with bit 32 too: RingBulkFence; launch_gemm falls back to
-// Ring16 where K % 64 != 0 or the device is older than sm_90), so =19 swaps it in where the default takes Ring16.
-// A value that is not a mask (0 to 63) fails every call, as DFLASH_ATTN_FILL does.
+// bulk-copy engine instead (XLoad::RingBulk; 32 here, 33 with bit 32 too: RingBulkFence, 34 with bit 64:
+// RingTma; launch_gemm falls back to Ring16 where the device is older than sm_90, or for RingBulk where
+// K % 64 != 0), so =19 swaps RingBulk in where the default takes Ring16.
+// A value that is not a mask (0 to 127) fails every call, as DFLASH_ATTN_FILL does.
 int ring_x_choice(int64_t M, bool persist, bool norm) {
-    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 63);
-    const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 63)");
+    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 127);
+    const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 127)");
     if (M < 2) return 0;
     if (M <= 8) return mask & 1 ? 8 : 0;
     const int bit = persist ? 8 : norm ? 4 : 2;
     if (!(mask & bit)) return 0;
-    return mask & 16 && !persist ? (mask & 32 ? 33 : 32) : 16;
+    return mask & 16 && !persist ? (mask & 64 ? 34 : mask & 32 ? 33 : 32) : 16;
+}
+
+// RingTma's x operand: rows of K bf16 at x (ldx apart, 16-byte aligned), boxes of 16 rows x 64 k, 128-byte
+// swizzled, zero-filled past M and K. The driver's encoder comes through the runtime (no libcuda link); false where
+// the driver has none or refuses the shape.
+bool x_tensor_map(CUtensorMap *map, const bf16 *x, int64_t M, int64_t ldx, int64_t K) {
+    using Encode = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static const Encode encode = [] {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return reinterpret_cast<Encode>(fn);
+    }();
+    if (!encode) return false;
+    const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)}, strides[1] = {cuuint64_t(ldx) * sizeof(bf16)};
+    const cuuint32_t box[2] = {cuuint32_t(kChunk), cuuint32_t(kTileM)}, steps[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16 *>(x), dims, strides, box, steps,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Where a folded norm's row factors are computed (gemm_stream_kernel's late_scales): after the k loop, not

@@ -207,8 +207,12 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // Session 45, H100, with 2 x stages and the fence: correct, and 11% slower (the 16-row chain 5.59 ms against
 // 5.04), hence 3 stages, and the fence on its own switch (CUTLASS's TMA pipelines order a refill after the
 // readers' barrier alone).
-enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk, RingBulkFence };
-constexpr int kBulkStages = 4, kBulkXStages = 3;
+// RingTma (bits 16 + 64): x by one 2-D tensor copy a chunk (cp.async.bulk.tensor: the tile's 16 rows x 64 k,
+// rows past M and k past K zero-filled by the copy, 128-byte swizzled as ring_offset swizzles), from one lane, into
+// kTmaXStages stages a warp, 1024-byte aligned: a sixteenth of RingBulk's copies, for a chunk of lead less (its
+// stages and their alignment fit the two blocks an SM with two stages, not three).
+enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk, RingBulkFence, RingTma };
+constexpr int kBulkStages = 4, kBulkXStages = 3, kTmaXStages = 2;
 // A bulk x stage: the tile's even rows, 16 bytes, then its odd rows, so rows g and g + 1, which a quarter-warp
 // reads at the same pieces, fall in different banks (a row's 128 bytes land as one copy: no swizzle).
 constexpr int kBulkOddRows = 8 * kRowBytes + 16;
@@ -537,6 +541,19 @@ template <int RING>
 __host__ __device__ constexpr size_t bulk_bars_offset() {
     return size_t(kWarps) * (RING + kBulkXStages * kBulkXStageBytes);
 }
+// XLoad::RingTma: the weight rings, 1024 bytes of room to align the x rings, the x rings, their mbarriers.
+constexpr int kTmaXStageBytes = kTileM * kRowBytes;
+template <int RING>
+__host__ __device__ constexpr size_t tma_bars_offset() {
+    return size_t(kWarps) * RING + 1024 + size_t(kWarps) * kTmaXStages * kTmaXStageBytes;
+}
+template <int KS>
+constexpr size_t tma_smem_bytes() {
+    constexpr size_t bytes = tma_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kTmaXStages * 8;
+    static_assert(red_bytes<KS>() <= size_t(kWarps) * kBulkStages * kStageBytes, "finish_tile's partials in the rings");
+    static_assert(2 * (bytes + 1024 + 128) <= 228 * 1024, "the tma rings: two blocks an SM");
+    return bytes;
+}
 template <int KS>
 constexpr size_t bulk_smem_bytes() {
     constexpr size_t bytes = bulk_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kBulkXStages * 8;
@@ -594,13 +611,15 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
 // TILED: w is in the tiled layout (backend.hpp: 16-row x 64-column tiles, zero padded), so a
 // warp's chunk is one contiguous 2 KB tile and its whole slice one contiguous run; x may then be
 // any layout (XLoad::Element). Not TILED: w row-major, x 16-byte vectorized (Masked or Full).
-template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPlain>
-__global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
-gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
-                   int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
-                   float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
-                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
-                   bool late_scales) {
+// gemm_stream_body is the kernel, inlined into its two entries: gemm_stream_kernel, and gemm_stream_tma_kernel
+// (XLoad::RingTma), whose x tensor map (xmap, nullptr for the other) is a kernel parameter of its own.
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE>
+__device__ __forceinline__ void
+gemm_stream_body(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                 int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
+                 float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
+                 int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
+                 bool late_scales, const CUtensorMap *xmap) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or (pdl_trigger: PdlTrigger) once every block is past its (last) k loop, or once every
     // block has issued its last weight load (fill_next below).
@@ -624,8 +643,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     constexpr int XR = ring_x_rows<XL>();
     constexpr bool kRingX = XR > 0;
     static_assert(!kRingX || TILED, "x in the ring: the tiled kernel");
-    constexpr bool kBulk = XL == XLoad::RingBulk || XL == XLoad::RingBulkFence;
-    constexpr int kBulkLead = kBulkXStages - 1;  // x chunks copied ahead of the one read
+    constexpr bool kTma = XL == XLoad::RingTma;
+    constexpr bool kBulk = XL == XLoad::RingBulk || XL == XLoad::RingBulkFence || kTma;
+    constexpr int kXStages = kTma ? kTmaXStages : kBulkXStages;  // RingBulk, RingTma: the x ring's stages
+    constexpr int kXStageBytes = kTma ? kTmaXStageBytes : kBulkXStageBytes;
+    constexpr int kBulkLead = kXStages - 1;  // x chunks copied ahead of the one read
     static_assert(!kBulk || (TILED && !PERSIST), "bulk x: the tiled kernel, not persistent");
     constexpr bool kXRegs = !kSlice && !kRingX && !kBulk;  // x in registers (xa, xb)
     constexpr int kStage = kStageBytes + XR * kRowBytes;  // a ring stage: a chunk's weights, then its x rows
@@ -710,23 +732,31 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     // RingBulk: the warp's x ring (after every warp's weight ring), its stages' mbarriers, and the rows past M
     // zeroed in every stage (never copied to); bulk_rows rows of each chunk are copied, chunk i into stage
     // i % kBulkXStages, whose barrier's phase i / kBulkXStages it completes.
-    [[maybe_unused]] unsigned char *xring =
-        smem + size_t(kWarps) * S * kStage + size_t(wt.warp) * kBulkXStages * kBulkXStageBytes;
-    [[maybe_unused]] uint64_t *xbar = reinterpret_cast<uint64_t *>(smem + bulk_bars_offset<S * kStage>()) +
-                                      wt.warp * kBulkXStages;
-    [[maybe_unused]] const int bulk_rows = int(M - wt.m0 < kTileM ? M - wt.m0 : kTileM);
+    // RingTma: the x rings from the first 1024-byte boundary past the weight rings; every chunk is a whole tile.
+    unsigned char *xrings = smem + size_t(kWarps) * S * kStage;
+    if constexpr (kTma) xrings += (1024u - unsigned(__cvta_generic_to_shared(xrings)) % 1024u) % 1024u;
+    [[maybe_unused]] unsigned char *xring = xrings + size_t(wt.warp) * kXStages * kXStageBytes;
+    [[maybe_unused]] uint64_t *xbar =
+        reinterpret_cast<uint64_t *>(smem + (kTma ? tma_bars_offset<S * kStage>() : bulk_bars_offset<S * kStage>())) +
+        wt.warp * kXStages;
+    [[maybe_unused]] const int bulk_rows = kTma ? kTileM : int(M - wt.m0 < kTileM ? M - wt.m0 : kTileM);
     auto bulk_issue = [&](int64_t i, int stage) {  // chunk i's rows into `stage`; lane 0 has armed its barrier
-        if (wt.lane < bulk_rows)
-            bulk_copy(xring + stage * kBulkXStageBytes + bulk_x_offset(wt.lane),
+        if constexpr (kTma) {
+            if (wt.lane == 0)
+                tma_load_2d(xring + stage * kXStageBytes, xmap, int((wt.c_begin + i) * kChunk), int(wt.m0),
+                            &xbar[stage]);
+        } else if (wt.lane < bulk_rows) {
+            bulk_copy(xring + stage * kXStageBytes + bulk_x_offset(wt.lane),
                       x + (wt.m0 + wt.lane) * ldx + (wt.c_begin + i) * kChunk, kRowBytes, &xbar[stage]);
+        }
     };
     if constexpr (kBulk) {
         if (wt.lane == 0) {
-            for (int b = 0; b < kBulkXStages; ++b) mbar_init(&xbar[b], 1);
+            for (int b = 0; b < kXStages; ++b) mbar_init(&xbar[b], 1);
             fence_bar_init();
         }
 #pragma unroll
-        for (int i = 0; i < kBulkXStages * kTileM * 8 / 32; ++i) {
+        for (int i = 0; i < (kTma ? 0 : kBulkXStages * kTileM * 8 / 32); ++i) {
             const int p = wt.lane + 32 * i, stage = p / (kTileM * 8), r = (p >> 3) % kTileM, part = p & 7;
             if (r >= bulk_rows)
                 *reinterpret_cast<uint4 *>(xring + stage * kBulkXStageBytes + bulk_x_offset(r) + part * 16) =
@@ -882,7 +912,7 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             // RingBulk: the next chunk's stage (read two steps ago, its phase waited for by every lane since)
             // armed before the barrier below, its copies issued after it (no lane reads that stage any more)
             const bool bulk_next = kBulk && bj + kBulkLead < total;
-            const int bulk_stage = bs == 0 ? kBulkXStages - 1 : bs - 1;  // (bs + kBulkLead) % kBulkXStages
+            const int bulk_stage = bs == 0 ? kXStages - 1 : bs - 1;  // (bs + kBulkLead) % kXStages
             if (bulk_next && wt.lane == 0) bulk_expect(&xbar[bulk_stage], unsigned(bulk_rows * kRowBytes));
             __syncwarp();            // ... and every lane's; all are done reading the one before
             if (filled < total) {
@@ -926,18 +956,20 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
             }
             if constexpr (kBulk) {  // rows g and g + 8 of chunk bj's stage, once its copies have landed
                 mbar_wait(&xbar[bs], bpar);
-                const unsigned char *xs = xring + bs * kBulkXStageBytes;
+                const unsigned char *xs = xring + bs * kXStageBytes;
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const unsigned char *row = xs + bulk_x_offset(r * 8 + wt.g) + wt.q * 32;
+                for (int r = 0; r < 2; ++r) {  // RingTma: swizzled as the ring's weights (ring_offset)
+                    const int rr = r * 8 + wt.g;
+                    const unsigned char *row = xs + (kTma ? ring_offset(rr, 2 * wt.q) : bulk_x_offset(rr) + wt.q * 32);
+                    const unsigned char *row1 = kTma ? xs + ring_offset(rr, 2 * wt.q + 1) : row + 16;
                     const uint4 v0 = *reinterpret_cast<const uint4 *>(row);
-                    const uint4 v1 = *reinterpret_cast<const uint4 *>(row + 16);
+                    const uint4 v1 = *reinterpret_cast<const uint4 *>(row1);
                     xc[r][0] = v0.x, xc[r][1] = v0.y, xc[r][2] = v0.z, xc[r][3] = v0.w;
                     xc[r][4] = v1.x, xc[r][5] = v1.y, xc[r][6] = v1.z, xc[r][7] = v1.w;
                 }
                 if constexpr (XL == XLoad::RingBulkFence) fence_proxy_async();  // before the copy refilling it
                 ++bj;
-                if (++bs == kBulkXStages) bs = 0, bpar ^= 1u;
+                if (++bs == kXStages) bs = 0, bpar ^= 1u;
             }
             if (kXRegs && !TILED && x_loaded < total) load_x_next(xn);
             mask_x(xc);
@@ -1007,6 +1039,31 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
     DFLASH_GEMM_PROBE_STORE();
 }
 
+template <int KS, Epilogue E, bool TILED, XLoad XL, bool PERSIST, int FUSE = kPlain>
+__global__ void __launch_bounds__(kWarps * 32, TILED ? 2 : 3)
+gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                   int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
+                   float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
+                   int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
+                   bool late_scales) {
+    static_assert(XL != XLoad::RingTma, "RingTma: gemm_stream_tma_kernel");
+    gemm_stream_body<KS, E, TILED, XL, PERSIST, FUSE>(x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out,
+                                                      partial, pair, trigger, col_blocks, norm_eps, accumulate,
+                                                      ss_in, ss_out, late_scales, nullptr);
+}
+template <int KS, Epilogue E, int FUSE = kPlain>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+gemm_stream_tma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ w,
+                       int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
+                       float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
+                       int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
+                       bool late_scales, const __grid_constant__ CUtensorMap xmap) {
+    gemm_stream_body<KS, E, true, XLoad::RingTma, false, FUSE>(x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
+                                                               logits_out, partial, pair, trigger, col_blocks,
+                                                               norm_eps, accumulate, ss_in, ss_out, late_scales,
+                                                               &xmap);
+}
+
 // Which fuse mode (FUSE) a call's GemmFuse needs: a folded norm, else the stored rows' sums, else plain.
 inline int fuse_mode(const GemmFuse &fuse) { return fuse.norm_eps > 0.f ? kNorm : fuse.ss_out ? kStats : kPlain; }
 
@@ -1031,6 +1088,7 @@ unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M);
 bool stream_enabled();
 bool slice_enabled(bool persist);
 int ring_x_choice(int64_t M, bool persist, bool norm);
+bool x_tensor_map(CUtensorMap *map, const bf16 *x, int64_t M, int64_t ldx, int64_t K);
 bool late_scales_at(bool persist);
 
 // The tiling of an [N, K] weight: how many k slices (ks) share a column group's K. Blocks of
@@ -1149,11 +1207,22 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
             // xr: x in the ring (Ring8 / Ring16; ring_x_choice), bulk: Ring16's launch with x by bulk copies
             // (32, 33 with the fence, from ring_x_choice, where whole chunks (K % 64 == 0) and the device (sm_90+)
-            // allow; else Ring16)
+            // allow; else Ring16), tma: the same by tensor copies (34: RingTma, sm_90+)
             int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
-            const bool bulk = xr >= 32 && !persist && K % kChunk == 0 && device_facts().bulk_ok;
+            const bool tma = xr == 34 && !persist && device_facts().bulk_ok;
+            const bool bulk = (xr == 32 || xr == 33) && !persist && K % kChunk == 0 && device_facts().bulk_ok;
             const bool bulk_fence = xr == 33;
             if (xr >= 32) xr = 16;
+            if (tma) {
+                CUtensorMap xmap;
+                if (!x_tensor_map(&xmap, x, M, ldx, K))
+                    fail(DFLASH_STATUS_INTERNAL, "gemm: no tensor map for x (", M, " x ", K, ", ldx ", ldx, ")");
+                launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, tma_smem_bytes<KS>(), s, x, M, ldx, w,
+                       N, K, y, ldy, multiplier, softcap, logits_out, partial, pair, pdl_trigger(M),
+                       int64_t(col_blocks), fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
+                       FUSE == kNorm && late_scales_at(false), xmap);
+                return;
+            }
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
                             kR8 = XLoad::Ring8, kR16 = XLoad::Ring16;
             decltype(&gemm_stream_kernel<KS, E, true, kM, true, FUSE>) persist_slice = nullptr;  // where sl > 0
@@ -1240,6 +1309,7 @@ void allow_stream_smem() {
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 16>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>, bulk_smem_bytes<KS>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulkFence, false, FUSE>, bulk_smem_bytes<KS>());
+    allow(gemm_stream_tma_kernel<KS, E, FUSE>, tma_smem_bytes<KS>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
