@@ -99,16 +99,19 @@ bool slice_enabled(bool persist) {
 // Tiled GEMMs of 2 rows or more issue x with the weights, in the ring's stages (XLoad::Ring8 where M <= 8,
 // Ring16 past that). DFLASH_GEMM_X_RING=MASK picks where: 1 Ring8, 2 Ring16 in plain launches without a folded
 // norm, 4 Ring16 in plain launches with one (kNorm), 8 Ring16 in persistent launches (15 everywhere, 0
-// nowhere). The default, 3, is what won on the H200 (session 24, gemm_chain_bench over 36 layers): at 7 rows
+// nowhere). 3 is what won on the H200 (session 24, gemm_chain_bench over 36 layers): at 7 rows
 // every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
 // but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
-// Bit 16 (not in the default; session 45, to measure): where Ring16 runs in a launch that is not persistent, x by the
-// bulk-copy engine instead (XLoad::RingBulk; 32 here, 33 with bit 32 too: RingBulkFence, 34 with bit 64:
-// RingTma; launch_gemm falls back to Ring16 where the device is older than sm_90, or for RingBulk where
-// K % 64 != 0), so =19 swaps RingBulk in where the default takes Ring16.
+// Bit 16: where Ring16 runs in a launch that is not persistent, x by the bulk-copy engine instead (XLoad::RingBulk;
+// 32 here, 33 with bit 32 too: RingBulkFence, 34 with bit 64: RingTma; launch_gemm falls back to Ring16 where the
+// device is older than sm_90, for RingBulk where K % 64 != 0, for RingTma where the driver encodes no tensor map).
+// The default, 83 (3 + 16 + 64: RingTma where Ring16 ran), since session 45 (H100, gemm_chain_bench, 36 layers, 16
+// rows: the chain 5.032-5.044 -> 4.979-4.993 ms, down 1.271-1.278 -> 1.251-1.252; bench.py: verify 0.982x,
+// propose 4B 0.978x); RingBulk's 128-byte row copies were 11-13% slower (=19: 5.69 ms; 5.34 at 9 rows, so the
+// copies' count, not their lead or the proxy fence (=51: the same), is what costs).
 // A value that is not a mask (0 to 127) fails every call, as DFLASH_ATTN_FILL does.
 int ring_x_choice(int64_t M, bool persist, bool norm) {
-    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 3, 0, 127);
+    static const EnvInt setting = env_int("DFLASH_GEMM_X_RING", 83, 0, 127);
     const int64_t mask = env_value(setting, "DFLASH_GEMM_X_RING", "is not a mask (0 to 127)");
     if (M < 2) return 0;
     if (M <= 8) return mask & 1 ? 8 : 0;

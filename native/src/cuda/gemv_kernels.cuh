@@ -1213,10 +1213,8 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             const bool bulk = (xr == 32 || xr == 33) && !persist && K % kChunk == 0 && device_facts().bulk_ok;
             const bool bulk_fence = xr == 33;
             if (xr >= 32) xr = 16;
-            if (tma) {
-                CUtensorMap xmap;
-                if (!x_tensor_map(&xmap, x, M, ldx, K))
-                    fail(DFLASH_STATUS_INTERNAL, "gemm: no tensor map for x (", M, " x ", K, ", ldx ", ldx, ")");
+            CUtensorMap xmap;  // RingTma: where the driver encodes none, Ring16 as before
+            if (tma && x_tensor_map(&xmap, x, M, ldx, K)) {
                 launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, tma_smem_bytes<KS>(), s, x, M, ldx, w,
                        N, K, y, ldy, multiplier, softcap, logits_out, partial, pair, pdl_trigger(M),
                        int64_t(col_blocks), fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
