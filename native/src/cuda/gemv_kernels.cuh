@@ -213,6 +213,7 @@ __device__ __forceinline__ void load16(const bf16 *base, int64_t ld, int64_t row
 // stages and their alignment fit the two blocks an SM with two stages, not three).
 enum class XLoad { Element, Masked, Full, Slice, Slice2, Ring8, Ring16, RingBulk, RingBulkFence, RingTma };
 constexpr int kBulkStages = 4, kBulkXStages = 3, kTmaXStages = 2;
+constexpr int kTmaXStageBytes = kTileM * kRowBytes;
 // A bulk x stage: the tile's even rows, 16 bytes, then its odd rows, so rows g and g + 1, which a quarter-warp
 // reads at the same pieces, fall in different banks (a row's 128 bytes land as one copy: no swizzle).
 constexpr int kBulkOddRows = 8 * kRowBytes + 16;
@@ -535,32 +536,22 @@ __host__ __device__ constexpr size_t slice_offset() {
         size_t(kWarps) * ring_stages<TILED, PERSIST, SL, XR>() * (kStageBytes + stage_x_rows(XR) * kRowBytes);
     return PERSIST ? ring + 2 * red_bytes<KS>() : ring > red_bytes<KS>() ? ring : red_bytes<KS>();
 }
-// XLoad::RingBulk: the warps' weight rings (RING bytes a warp), then their x rings, then the x stages' mbarriers
-// (finish_tile reuses the rings as it does the plain ring's; red_bytes lies within the weight rings).
-template <int RING>
-__host__ __device__ constexpr size_t bulk_bars_offset() {
-    return size_t(kWarps) * (RING + kBulkXStages * kBulkXStageBytes);
+// XLoad::RingBulk, RingTma (TMA): the warps' weight rings (RING bytes a warp), then their x rings (RingTma: after up
+// to 1024 bytes of room to align them), then the x stages' mbarriers (finish_tile reuses the rings as it does the
+// plain ring's; red_bytes lies within the weight rings).
+template <bool TMA, int RING>
+__host__ __device__ constexpr size_t xring_bars_offset() {
+    return TMA ? size_t(kWarps) * RING + 1024 + size_t(kWarps) * kTmaXStages * kTmaXStageBytes
+               : size_t(kWarps) * (RING + kBulkXStages * kBulkXStageBytes);
 }
-// XLoad::RingTma: the weight rings, 1024 bytes of room to align the x rings, the x rings, their mbarriers.
-constexpr int kTmaXStageBytes = kTileM * kRowBytes;
-template <int RING>
-__host__ __device__ constexpr size_t tma_bars_offset() {
-    return size_t(kWarps) * RING + 1024 + size_t(kWarps) * kTmaXStages * kTmaXStageBytes;
-}
-template <int KS>
-constexpr size_t tma_smem_bytes() {
-    constexpr size_t bytes = tma_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kTmaXStages * 8;
-    static_assert(red_bytes<KS>() <= size_t(kWarps) * kBulkStages * kStageBytes, "finish_tile's partials in the rings");
-    static_assert(2 * (bytes + 1024 + 128) <= 228 * 1024, "the tma rings: two blocks an SM");
-    return bytes;
-}
-template <int KS>
-constexpr size_t bulk_smem_bytes() {
-    constexpr size_t bytes = bulk_bars_offset<kBulkStages * kStageBytes>() + size_t(kWarps) * kBulkXStages * 8;
+template <int KS, bool TMA>
+constexpr size_t xring_smem_bytes() {
+    constexpr size_t bytes = xring_bars_offset<TMA, kBulkStages * kStageBytes>() +
+                             size_t(kWarps) * (TMA ? kTmaXStages : kBulkXStages) * sizeof(uint64_t);
     static_assert(red_bytes<KS>() <= size_t(kWarps) * kBulkStages * kStageBytes, "finish_tile's partials in the rings");
     // two blocks an SM as the tiled kernel's (sm_90: 228 KB a multiprocessor, 1 KB of it reserved a block, and
     // at most 128 bytes of static shared memory: kNorm's scales)
-    static_assert(2 * (bytes + 1024 + 128) <= 228 * 1024, "the bulk rings: two blocks an SM");
+    static_assert(2 * (bytes + 1024 + 128) <= 228 * 1024, "the x rings: two blocks an SM");
     return bytes;
 }
 template <int KS, bool TILED, bool PERSIST = false, int SL = 0, int XR = 0>
@@ -737,7 +728,7 @@ gemm_stream_body(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__
     if constexpr (kTma) xrings += (1024u - unsigned(__cvta_generic_to_shared(xrings)) % 1024u) % 1024u;
     [[maybe_unused]] unsigned char *xring = xrings + size_t(wt.warp) * kXStages * kXStageBytes;
     [[maybe_unused]] uint64_t *xbar =
-        reinterpret_cast<uint64_t *>(smem + (kTma ? tma_bars_offset<S * kStage>() : bulk_bars_offset<S * kStage>())) +
+        reinterpret_cast<uint64_t *>(smem + xring_bars_offset<kTma, S * kStage>()) +
         wt.warp * kXStages;
     [[maybe_unused]] const int bulk_rows = kTma ? kTileM : int(M - wt.m0 < kTileM ? M - wt.m0 : kTileM);
     auto bulk_issue = [&](int64_t i, int stage) {  // chunk i's rows into `stage`; lane 0 has armed its barrier
@@ -1215,7 +1206,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             if (xr >= 32) xr = 16;
             CUtensorMap xmap;  // RingTma: where the driver encodes none, Ring16 as before
             if (tma && x_tensor_map(&xmap, x, M, ldx, K)) {
-                launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, tma_smem_bytes<KS>(), s, x, M, ldx, w,
+                launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, xring_smem_bytes<KS, true>(), s, x, M, ldx, w,
                        N, K, y, ldy, multiplier, softcap, logits_out, partial, pair, pdl_trigger(M),
                        int64_t(col_blocks), fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
                        FUSE == kNorm && late_scales_at(false), xmap);
@@ -1251,7 +1242,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                                        : stream_smem_bytes<KS, true, true>())
                                 : sl == 1 ? stream_smem_bytes<KS, true, false, 1>()
                                 : sl == 2 ? stream_smem_bytes<KS, true, false, 2>()
-                                : bulk    ? bulk_smem_bytes<KS>()
+                                : bulk    ? xring_smem_bytes<KS, false>()
                                 : xr == 8 ? stream_smem_bytes<KS, true, false, 0, 8>()
                                 : xr == 16 ? stream_smem_bytes<KS, true, false, 0, 16>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
@@ -1305,9 +1296,9 @@ void allow_stream_smem() {
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, false, FUSE>, stream_smem_bytes<KS, true, false, 0, 16>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring8, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 8>());
     allow(gemm_stream_kernel<KS, E, true, XLoad::Ring16, true, FUSE>, stream_smem_bytes<KS, true, true, 0, 16>());
-    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>, bulk_smem_bytes<KS>());
-    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulkFence, false, FUSE>, bulk_smem_bytes<KS>());
-    allow(gemm_stream_tma_kernel<KS, E, FUSE>, tma_smem_bytes<KS>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulk, false, FUSE>, xring_smem_bytes<KS, false>());
+    allow(gemm_stream_kernel<KS, E, true, XLoad::RingBulkFence, false, FUSE>, xring_smem_bytes<KS, false>());
+    allow(gemm_stream_tma_kernel<KS, E, FUSE>, xring_smem_bytes<KS, true>());
     for (auto kernel : {gemm_stream_kernel<KS, E, true, XLoad::Masked, true, FUSE>,
                         gemm_stream_kernel<KS, E, true, XLoad::Full, true, FUSE>})
         DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
