@@ -381,13 +381,17 @@ if (( BUILD_OK && OPS )); then
         record test_ops_xring "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_xring.log $STAGE_NOTE \
             $(ops_counts "$LOGS/test_ops_xring.log")
         [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
-        # x by the bulk-copy engine (XLoad::RingBulk, bit 16) wherever Ring8 / Ring16 would run, not persistent
-        run_stage test_ops_bulk "$LOGS/test_ops_bulk.log" env DFLASH_GEMM_X_RING=31 \
-            "$TEST_OPS" --seed "$SEED" --quick --filter gemm,logits
-        # shellcheck disable=SC2046
-        record test_ops_bulk "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_bulk.log $STAGE_NOTE \
-            $(ops_counts "$LOGS/test_ops_bulk.log")
-        [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+        # x by the copy engine wherever Ring16 would run, not persistent: a 128-byte copy a row (XLoad::RingBulk,
+        # =31), and one tensor copy a chunk (RingTma, the default's where Ring16 ran) in the folded-norm launches too
+        for bulk in "bulk 31" "tma 95"; do
+            read -r name mask <<< "$bulk"
+            run_stage "test_ops_$name" "$LOGS/test_ops_$name.log" env DFLASH_GEMM_X_RING="$mask" \
+                "$TEST_OPS" --seed "$SEED" --quick --filter gemm,logits
+            # shellcheck disable=SC2046
+            record "test_ops_$name" "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" "test_ops_$name.log" $STAGE_NOTE \
+                $(ops_counts "$LOGS/test_ops_$name.log")
+            [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+        done
     fi
 elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed
