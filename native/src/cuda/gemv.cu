@@ -130,10 +130,16 @@ bool x_tensor_map(CUtensorMap *map, const bf16 *x, int64_t M, int64_t ldx, int64
     static const Encode encode = [] {
         void *fn = nullptr;
         cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-                cudaSuccess ||
-            found != cudaDriverEntryPointSuccess)
+#if CUDART_VERSION >= 12050
+        const cudaError_t e =
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+        const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
             fn = nullptr;
+            (void)cudaGetLastError();  // not left for the next launch's check to report
+        }
         return reinterpret_cast<Encode>(fn);
     }();
     if (!encode) return false;
