@@ -102,8 +102,8 @@ bool slice_enabled(bool persist) {
 // nowhere). 3 is what won on the H200 (session 24, gemm_chain_bench over 36 layers): at 7 rows
 // every GEMM faster (the chain 4.216 -> 3.999 ms); at 16 rows o_proj 0.467 -> 0.422 and down 1.054 -> 0.971,
 // but q/k/v (kNorm) 0.646 -> 0.821 and the persistent gate/up 2.069 -> 2.568; verify 5.238 -> 5.091 ms (run 6).
-// Bit 16: where Ring16 runs in a launch that is not persistent, x by the bulk-copy engine instead (XLoad::RingBulk;
-// 32 here, 33 with bit 32 too: RingBulkFence, 34 with bit 64: RingTma; launch_gemm falls back to Ring16 where the
+// Bit 16: where Ring16 runs in a launch that is not persistent, x by the bulk-copy engine instead (XLoad::RingBulk:
+// kXRingBulk here; with bit 32 too RingBulkFence, with bit 64 RingTma; launch_gemm falls back to Ring16 where the
 // device is older than sm_90, for RingBulk where K % 64 != 0, for RingTma where the driver encodes no tensor map).
 // The default, 83 (3 + 16 + 64: RingTma where Ring16 ran), since session 45 (H100, gemm_chain_bench, 36 layers, 16
 // rows: the chain 5.032-5.044 -> 4.979-4.993 ms, down 1.271-1.278 -> 1.251-1.252; bench.py: verify 0.982x,
@@ -117,7 +117,8 @@ int ring_x_choice(int64_t M, bool persist, bool norm) {
     if (M <= 8) return mask & 1 ? 8 : 0;
     const int bit = persist ? 8 : norm ? 4 : 2;
     if (!(mask & bit)) return 0;
-    return mask & 16 && !persist ? (mask & 64 ? 34 : mask & 32 ? 33 : 32) : 16;
+    if (!(mask & 16) || persist) return 16;
+    return mask & 64 ? kXRingTma : mask & 32 ? kXRingBulkFence : kXRingBulk;
 }
 
 // RingTma's x operand: rows of K bf16 at x (ldx apart, 16-byte aligned), boxes of 16 rows x 64 k, 128-byte

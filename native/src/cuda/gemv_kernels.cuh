@@ -900,8 +900,8 @@ gemm_stream_body(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__
             } else {
                 cp_async_wait<S - 2>();  // this lane's pieces of this chunk have landed
             }
-            // RingBulk: the next chunk's stage (read two steps ago, its phase waited for by every lane since)
-            // armed before the barrier below, its copies issued after it (no lane reads that stage any more)
+            // RingBulk: the stage of chunk bj + kBulkLead (read the step before, its phase waited for by every lane
+            // then) armed before the barrier below, its copies issued after it (no lane reads that stage any more)
             const bool bulk_next = kBulk && bj + kBulkLead < total;
             const int bulk_stage = bs == 0 ? kXStages - 1 : bs - 1;  // (bs + kBulkLead) % kXStages
             if (bulk_next && wt.lane == 0) bulk_expect(&xbar[bulk_stage], unsigned(bulk_rows * kRowBytes));
@@ -1071,13 +1071,16 @@ struct DeviceFacts {
     int sms = 0, stream_blocks_per_sm = 0, tiled_blocks_per_sm = 0;  // tiled: up to 128 registers
     int persist_blocks_per_sm = 0;                                    // the persistent tiled kernel
     bool norm_ok = false;  // the folded-norm kernels are resident as the plain ones are (StreamOccupancy)
-    bool bulk_ok = false;  // sm_90+: the bulk-copy engine (XLoad::RingBulk)
+    bool bulk_ok = false;  // sm_90+: the bulk and tensor copy engine (XLoad::RingBulk, RingTma)
 };
 const DeviceFacts &device_facts();
 int pdl_trigger(int64_t M);
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M);
 bool stream_enabled();
 bool slice_enabled(bool persist);
+// ring_x_choice: 0, or the x rows a ring stage holds (8: Ring8, 16: Ring16), or where Ring16 would run in a launch
+// that is not persistent, x by the copy engine instead (launch_gemm falls back to Ring16 where it cannot):
+constexpr int kXRingBulk = 32, kXRingBulkFence = 33, kXRingTma = 34;
 int ring_x_choice(int64_t M, bool persist, bool norm);
 bool x_tensor_map(CUtensorMap *map, const bf16 *x, int64_t M, int64_t ldx, int64_t K);
 bool late_scales_at(bool persist);
@@ -1197,13 +1200,13 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             int sl = slice_ok ? int((per_slice + kSliceChunksPerStage - 1) / kSliceChunksPerStage) : 0;
             if (sl > 2) sl = 0;  // a slice past 32 chunks: x in registers
             // xr: x in the ring (Ring8 / Ring16; ring_x_choice), bulk: Ring16's launch with x by bulk copies
-            // (32, 33 with the fence, from ring_x_choice, where whole chunks (K % 64 == 0) and the device (sm_90+)
-            // allow; else Ring16), tma: the same by tensor copies (34: RingTma, sm_90+)
+            // where whole chunks (K % 64 == 0) and the device (sm_90+) allow, tma: by tensor copies (sm_90+); else
+            // Ring16 (ring_x_choice never asks for the copy engine in a persistent launch)
             int xr = w_tiled && x_vec ? ring_x_choice(M, persist != 0, FUSE == kNorm) : 0;
-            const bool tma = xr == 34 && !persist && device_facts().bulk_ok;
-            const bool bulk = (xr == 32 || xr == 33) && !persist && K % kChunk == 0 && device_facts().bulk_ok;
-            const bool bulk_fence = xr == 33;
-            if (xr >= 32) xr = 16;
+            const bool tma = xr == kXRingTma && device_facts().bulk_ok;
+            const bool bulk = (xr == kXRingBulk || xr == kXRingBulkFence) && K % kChunk == 0 && device_facts().bulk_ok;
+            const bool bulk_fence = xr == kXRingBulkFence;
+            if (xr >= kXRingBulk) xr = 16;
             CUtensorMap xmap;  // RingTma: where the driver encodes none, Ring16 as before
             if (tma && x_tensor_map(&xmap, x, M, ldx, K)) {
                 launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, xring_smem_bytes<KS, true>(), s, x, M, ldx, w,
