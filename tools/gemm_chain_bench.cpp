@@ -8,9 +8,11 @@
 //
 // Built with the op tests (-DDFLASH_OP_TESTS=ON; gpu_check.sh builds it as build/gpu/gemm_chain_bench):
 //   build/gpu/gemm_chain_bench [--rows 1] [--layers 36] [--iters 30] [--only qkv|o_proj|gate_up|down] [--ctx N]
+//                              [--hidden 4096] [--inter 12288]
 //                              [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]
 //   build/local/gemm_chain_bench --host --layers 1 --iters 1 --ctx 64    # the tool's own check, on the CPU
-// --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
+// --hidden / --inter: other layer shapes (--hidden 2560 --inter 9728: Qwen3-4B-DFlash-b16's layers; q and
+// k/v keep 32 and 8 heads of 128). --only repeats one GEMM of each layer (36 back to back): its cost alone. --ctx N adds each layer's attention
 // phase as Target::forward runs it (q/k norm + RoPE + cache write, attention over N + rows keys in a sequence of
 // capacity N + 64, the combine) between q/k/v and o_proj: with and without it, the attention phase's cost in a
 // step; --sweep (with --ctx) times the chain without the phase, with only its rope kernel, with only attention
@@ -166,7 +168,7 @@ void print_probe(const std::shared_ptr<Backend> &b, const std::function<void()> 
 }  // namespace
 
 int main(int argc, char **argv) {
-    int64_t rows = 1, layers = 36, iters = 30, ctx = 0;
+    int64_t rows = 1, layers = 36, iters = 30, ctx = 0, hidden = 4096, inter = 12288;
     bool host = false, sweep = false, causal = true, probe = false;
     std::string only, probe_gemm = "o_proj";
     for (int i = 1; i < argc; ++i) {
@@ -183,6 +185,8 @@ int main(int argc, char **argv) {
         else if (a == "--iters") iters = std::atoll(next());
         else if (a == "--only") only = next();
         else if (a == "--ctx") ctx = std::atoll(next());
+        else if (a == "--hidden") hidden = std::atoll(next());
+        else if (a == "--inter") inter = std::atoll(next());
         else if (a == "--host") host = true;
         else if (a == "--sweep") sweep = true;
         else if (a == "--noncausal") causal = false;
@@ -190,12 +194,14 @@ int main(int argc, char **argv) {
         else if (a == "--probe-gemm") probe_gemm = next();
         else {
             std::fprintf(stderr, "usage: gemm_chain_bench [--rows M] [--layers L] [--iters N] [--only qkv|o_proj|gate_up|down] "
-                                 "[--ctx N] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]\n");
+                                 "[--ctx N] [--hidden H] [--inter I] [--sweep] [--noncausal] [--probe [--probe-gemm qkv|o_proj|gate_up|down[,...]]]\n");
             return 2;
         }
     }
-    if (rows < 1 || rows > 16 || layers < 1 || iters < 1 || ctx < 0 || ctx > (1 << 20)) {
-        std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1, ctx 0..2^20\n");
+    if (rows < 1 || rows > 16 || layers < 1 || iters < 1 || ctx < 0 || ctx > (1 << 20) || hidden < 64 ||
+        hidden > 65536 || hidden % 64 || inter < 64 || inter > 65536 || inter % 64) {
+        std::fprintf(stderr, "gemm_chain_bench: rows 1..16, layers and iters >= 1, ctx 0..2^20, hidden and inter "
+                             "multiples of 64 in 64..65536\n");
         return 2;
     }
     auto known = [](const std::string &name) {
@@ -232,7 +238,7 @@ int main(int argc, char **argv) {
         std::printf("SKIP: no usable CUDA device: %s\n", e.what());
         return 77;
     }
-    const int64_t H = 4096, I = 12288, Q = 4096, KV = 1024, QKV = Q + 2 * KV;
+    const int64_t H = hidden, I = inter, Q = 4096, KV = 1024, QKV = Q + 2 * KV;
     const float eps = 1e-6f;
     const bool tiled = b->tiles_gemm_weights(), folded = b->folds_norms();
 
@@ -441,8 +447,9 @@ int main(int argc, char **argv) {
     }
     const int64_t launches = layers * (all ? 4 : 1);
     const double floor_ms = double(step_bytes) / copy_bw * 1e3;
-    std::printf("gemm_chain_bench: rows %lld, layers %lld, %s%s, tiled %d, folded %d: %lld GEMMs, %.2f GB of weights\n",
-                (long long)rows, (long long)layers, all ? "all four GEMMs" : only.c_str(),
+    std::printf("gemm_chain_bench: rows %lld, layers %lld (H %lld, I %lld), %s%s, tiled %d, folded %d: %lld GEMMs, "
+                "%.2f GB of weights\n",
+                (long long)rows, (long long)layers, (long long)H, (long long)I, all ? "all four GEMMs" : only.c_str(),
                 ctx > 0 ? cat(", attention over ", ctx + rows, " keys").c_str() : "", int(tiled), int(folded),
                 (long long)launches, double(step_bytes) / 1e9);
     std::printf("copy bandwidth %.3f TB/s; chain %.3f ms = %.3f TB/s = %.3fx the floor (%.3f ms); %.2f us per GEMM "
