@@ -194,6 +194,15 @@ def test_cuda_speculative_equals_cuda_autoregressive_eight_warp_attention():
     _lossless_in_a_process({"DFLASH_ATTN_WARPS": "8"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_wide_attention_chunks():
+    """The long-prompt lossless cases again in a process whose key-quarter attention kernel reads chunks of 128 keys
+    (DFLASH_ATTN_CHUNK=128, 32 keys a warp, two k16 steps of O += P V; 64 by default): a verified row must sum its
+    chunks as the row decoded alone does."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers the default kernel in the other tests")
+    _lossless_in_a_process({"DFLASH_ATTN_CHUNK": "128"})
+
+
 def _python_in_a_process(env_overrides, args):
     """Runs `python3 args` with env_overrides (switches the library reads once per process)."""
     import subprocess
@@ -231,11 +240,12 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
 
 
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
-                                            ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4")])
+                                            ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4"),
+                                            ("DFLASH_ATTN_CHUNK", "96")])
 def test_a_bad_switch_fails_naming_the_variable(make_pair, variable, value):
     """A switch out of its range (DFLASH_GEMM_FOLD_NORM and DFLASH_GEMM_PERSIST outside 0-3, DFLASH_SMEM_CARVEOUT
-    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued) fails the call that first reads it (loading
-    or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
+    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued, DFLASH_ATTN_CHUNK not 64 or 128) fails the
+    call that first reads it (loading or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
     target_dir, _ = make_pair(900, **CASES[0])
     script = ("import sys, pydflash\n"
               "try:\n"

@@ -393,6 +393,16 @@ if (( BUILD_OK && OPS )); then
             [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
         done
     fi
+    # The key-quarter attention kernel with chunks of 128 keys (DFLASH_ATTN_CHUNK=128, off by default), after an
+    # unfiltered test_ops run or one filtered to attention.
+    if [[ $OPS_ARGS != *--filter* || $OPS_ARGS == *attention* ]]; then
+        run_stage test_ops_chunk128 "$LOGS/test_ops_chunk128.log" env DFLASH_ATTN_CHUNK=128 \
+            "$TEST_OPS" --seed "$SEED" --quick --filter attention
+        # shellcheck disable=SC2046
+        record test_ops_chunk128 "$STAGE_STATUS" "$STAGE_RC" "$STAGE_SECS" test_ops_chunk128.log $STAGE_NOTE \
+            $(ops_counts "$LOGS/test_ops_chunk128.log")
+        [[ $STAGE_STATUS == ok || $STAGE_STATUS == skipped ]] || fail_stage
+    fi
 elif (( OPS )); then
     record test_ops skipped -1 0 - reason=build-failed
 fi

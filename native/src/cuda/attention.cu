@@ -222,33 +222,34 @@ __device__ __forceinline__ void scale_rows(float (&o)[N][4], const float corr[2]
 
 // Dynamic shared memory of attention_tc_kernel<HD, S>: S stages of K and V chunks (kTcKeys rows of HD + kTcPad
 // bf16 each) and their key positions, then the slots of the chunk being staged.
-template <int HD>
-__host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * kTcKeys * (HD + kTcPad) * sizeof(bf16) + kTcKeys * sizeof(int32_t); }
+template <int HD, int CK = kTcKeys>
+__host__ __device__ constexpr size_t tc_stage_bytes() { return size_t(2) * CK * (HD + kTcPad) * sizeof(bf16) + CK * sizeof(int32_t); }
 template <int HD, int S>
 __host__ __device__ constexpr size_t tc_smem_bytes() { return S * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t); }
 
 // The stages in a tensor-core kernel's dynamic shared memory (tc_stage_bytes each: K rows, V rows, key positions),
-// then the slots of the chunk being staged.
-template <int HD>
+// then the slots of the chunk being staged. CK: keys per chunk (kTcKeys; the key-quarter kernel also 128).
+template <int HD, int CK = kTcKeys>
 struct TcStages {
     static constexpr int kStride = HD + kTcPad;
     unsigned char *base;
-    __device__ bf16 *k(int st) const { return reinterpret_cast<bf16 *>(base + st * tc_stage_bytes<HD>()); }
-    __device__ bf16 *v(int st) const { return k(st) + kTcKeys * kStride; }
-    __device__ int32_t *kpos(int st) const { return reinterpret_cast<int32_t *>(v(st) + kTcKeys * kStride); }
+    __device__ bf16 *k(int st) const { return reinterpret_cast<bf16 *>(base + st * tc_stage_bytes<HD, CK>()); }
+    __device__ bf16 *v(int st) const { return k(st) + CK * kStride; }
+    __device__ int32_t *kpos(int st) const { return reinterpret_cast<int32_t *>(v(st) + CK * kStride); }
     __device__ int64_t *slots(int stages) const {
-        return reinterpret_cast<int64_t *>(base + stages * tc_stage_bytes<HD>());
+        return reinterpret_cast<int64_t *>(base + stages * tc_stage_bytes<HD, CK>());
     }
 };
 
-// A tensor-core block's key chunks (split s: chunks s, s + splits, ...; chunk c holds keys [first(c),
-// first(c) + n_keys(c)), first(c) = s * kTcKeys + c * stride), staged by kThreads threads: threads j < kTcKeys
+// A tensor-core block's key chunks of CK keys (split s: chunks s, s + splits, ...; chunk c holds keys [first(c),
+// first(c) + n_keys(c)), first(c) = s * CK + c * stride), staged by kThreads >= CK threads: threads j < CK
 // load key j's block-table entry and position for chunk c into registers (load_keys: one chunk ahead, so the
 // block-table read never waits in the loop), then its slot into slot_s and its position into the stage
 // (stage_keys); stage_kv copies the chunk's K and V rows by 16-byte cp.async, zeros past the last key, every
 // piece in flight at once (coherent L2 reads: the caches were written before the block's wait, or are settled).
-template <int HD, int kThreads>
+template <int HD, int kThreads, int CK = kTcKeys>
 struct ChunkStager {
+    static_assert(kThreads >= CK, "a thread per key of a chunk");
     static constexpr int kStride = HD + kTcPad, kPieces = HD / 8;
     const PagedKeys &keys;
     const bf16 *kc, *vc;  // this kv head's first element in the caches
@@ -261,13 +262,13 @@ struct ChunkStager {
     __device__ ChunkStager(const PagedKeys &k, int kv_head, int n_kv_heads, int split, int64_t end, int64_t *slots)
         : keys(k), kc(static_cast<const bf16 *>(k.k_cache) + int64_t(kv_head) * HD),
           vc(static_cast<const bf16 *>(k.v_cache) + int64_t(kv_head) * HD), kv_width(int64_t(n_kv_heads) * HD),
-          first0(int64_t(split) * kTcKeys), stride(int64_t(gridDim.y) * kTcKeys), key_end(end),
-          n_chunks(int((end - int64_t(split) * kTcKeys + stride - 1) / stride)), slot_s(slots) {}
-    __device__ int n_keys_of(int c) const { return int(min(int64_t(kTcKeys), key_end - (first0 + c * stride))); }
+          first0(int64_t(split) * CK), stride(int64_t(gridDim.y) * CK), key_end(end),
+          n_chunks(int((end - int64_t(split) * CK + stride - 1) / stride)), slot_s(slots) {}
+    __device__ int n_keys_of(int c) const { return int(min(int64_t(CK), key_end - (first0 + c * stride))); }
     __device__ void load_keys(int c) {
         const int j = threadIdx.x;
         pend_block = -1;
-        if (j < kTcKeys && c < n_chunks && j < n_keys_of(c)) {
+        if (j < CK && c < n_chunks && j < n_keys_of(c)) {
             pend_ring = key_ring(keys, first0 + c * stride + j);
             pend_block = keys.block_table[pend_ring / keys.block_size];
             pend_pos = keys.slot_positions[pend_ring];
@@ -275,7 +276,7 @@ struct ChunkStager {
     }
     __device__ void stage_keys(int32_t *kpos) {
         const int j = threadIdx.x;
-        if (j < kTcKeys) {
+        if (j < CK) {
             const bool ok = pend_block >= 0;
             slot_s[j] = ok ? int64_t(pend_block) * keys.block_size + pend_ring % keys.block_size : -1;
             kpos[j] = ok ? pend_pos : 0;
@@ -296,13 +297,13 @@ struct ChunkStager {
         if (early) {
             pdl_wait();  // the kernels before this one (the step's own keys, q) are done
             DFLASH_PROBE(g_probe_attention, 1);
-            if (first0 + kTcKeys > settled) stage_kv(ks, vs, 0, 2, settled);
+            if (first0 + CK > settled) stage_kv(ks, vs, 0, 2, settled);
         }
     }
     // part 0: every key of chunk c; 1: only those below `settled`; 2: only the others.
     __device__ void stage_kv(bf16 *ks, bf16 *vs, int c, int part = 0, int64_t settled = 0) const {
         const int64_t first = first0 + c * stride;
-        for (int i = threadIdx.x; i < kTcKeys * kPieces; i += kThreads) {
+        for (int i = threadIdx.x; i < CK * kPieces; i += kThreads) {
             const int j = i / kPieces, piece = i % kPieces;
             if (part != 0 && (first + j < settled) != (part == 1)) continue;
             const int64_t slot = slot_s[j];
@@ -785,14 +786,19 @@ attention_tc8_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
 // exp(m_q - max), O and l weighted and summed), so the split's partials are as the other kernels write them. A
 // vector's sums never depend on which vectors share its tile (nor on MT): verify rows equal decode rows bit for
 // bit.
-constexpr int kTqQuarters = 4;                      // warps per m tile: 16 keys of each chunk each
-constexpr int kTqKeys = kTcKeys / kTqQuarters;      // 16
+//
+// CK, the keys of a chunk: kTcKeys (64, 16 a warp), or 128 (DFLASH_ATTN_CHUNK=128: 32 a warp, two n8 tile pairs of S
+// and two k16 steps of O += P V a chunk), so a split covers twice the keys in one pass: a 1040-key step (ctx 1024 and
+// its 16 rows) is 9 chunks over 16 splits, each read in one pass, where 17 chunks of 64 leave split 0 a second pass
+// (and the combine 17 splits' partials, not 9). Each CK its own sums' order (verify rows still equal decode rows).
+constexpr int kTqQuarters = 4;                      // warps per m tile: CK / 4 keys of each chunk each
+constexpr int kTqWideKeys = 128;                    // DFLASH_ATTN_CHUNK=128
 
 template <int HD>
 __host__ __device__ constexpr int tq_ostride() { return HD + 8; }  // floats per merged row: conflict-free float2
-template <int HD, int MT>
+template <int HD, int MT, int CK = kTcKeys>
 __host__ __device__ constexpr size_t tq_loop_bytes() {
-    return 2 * tc_stage_bytes<HD>() + kTcKeys * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
+    return 2 * tc_stage_bytes<HD, CK>() + CK * sizeof(int64_t) + size_t(16 * MT) * (HD + kTcPad) * sizeof(bf16);
 }
 template <int HD, int MT>
 __host__ __device__ constexpr size_t tq_merge_bytes() {
@@ -800,12 +806,13 @@ __host__ __device__ constexpr size_t tq_merge_bytes() {
            size_t(kTqQuarters) * 16 * MT * sizeof(float2);
 }
 // The merge's buffers alias the stages (after a barrier): the larger of the two.
-template <int HD, int MT>
+template <int HD, int MT, int CK = kTcKeys>
 __host__ __device__ constexpr size_t tq_smem_bytes() {
-    return tq_loop_bytes<HD, MT>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT>() : tq_merge_bytes<HD, MT>();
+    return tq_loop_bytes<HD, MT, CK>() > tq_merge_bytes<HD, MT>() ? tq_loop_bytes<HD, MT, CK>()
+                                                                  : tq_merge_bytes<HD, MT>();
 }
 
-template <int HD, int MT>
+template <int HD, int MT, int CK>
 __global__ void __launch_bounds__(kTqQuarters * MT * 32)
 attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positions,
                      int n_heads, int n_kv_heads, float scale, bool causal, int32_t window,
@@ -816,10 +823,13 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     constexpr int kStride = HD + kTcPad;
     constexpr int kSteps = HD / 16;      // k16 steps of Q K^T
     constexpr int kDimTiles = HD / 8;    // n8 tiles of O
+    constexpr int kTqKeys = CK / kTqQuarters;  // a warp's keys of a chunk: 16 or 32
+    constexpr int kKeyTiles = kTqKeys / 8;     // its n8 tiles of S
+    constexpr int kKeySteps = kTqKeys / 16;    // its k16 steps of O += P V
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    const TcStages<HD> sm{tc_smem};
+    const TcStages<HD, CK> sm{tc_smem};
     int64_t *slot_s = sm.slots(S);
-    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + kTcKeys);  // [16 MT vectors][HD + pad]
+    bf16 *q_s = reinterpret_cast<bf16 *>(slot_s + CK);  // [16 MT vectors][HD + pad]
 
     const int group = n_heads / n_kv_heads;
     const GroupOf gof(group);
@@ -834,11 +844,11 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
     const bool busy = mt < m_tiles;  // warp-uniform: this warp's m tile holds vectors
 
     const int64_t key_end = key_count(keys);
-    if (int64_t(split) * kTcKeys >= key_end) {
+    if (int64_t(split) * CK >= key_end) {
         DFLASH_PROBE(g_probe_attention, 5);
         return;
     }
-    ChunkStager<HD, kThreads> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
+    ChunkStager<HD, kThreads, CK> cs(keys, kv_head, n_kv_heads, split, key_end, slot_s);
     const int n_chunks = cs.n_chunks;
     cs.stage_first(sm.k(0), sm.v(0), sm.kpos(0), early);
     stage_q_tile<HD, kThreads>(q_s, q, ldq, gof, kv_head, vec_base, tile_vecs, m_tiles);
@@ -879,22 +889,32 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         const bf16 *kst = sm.k(i % S), *vst = sm.v(i % S);
         const int32_t *kpos_st = sm.kpos(i % S) + kb;
 
-        // S = Q K^T: this warp's 16 keys (n8 tiles 0, 1) for its 16 vectors; K fragments by ldmatrix (matrices:
-        // keys 0-7 dims +0, keys 0-7 dims +8, keys 8-15 dims +0, keys 8-15 dims +8).
-        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // S = Q K^T: this warp's kTqKeys keys (n8 tiles 0 .. kKeyTiles - 1) for its 16 vectors; K fragments by
+        // ldmatrix, 16 keys a call (matrices: keys 0-7 dims +0, keys 0-7 dims +8, keys 8-15 dims +0, keys 8-15
+        // dims +8).
+        float sc[kKeyTiles][4];
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
         const bf16 *krow = kst + (kb + (lane >> 4) * 8 + (lane & 7)) * kStride + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int kk = 0; kk < kSteps; ++kk) {
-            uint32_t a[4], b[4];
+            uint32_t a[4];
             ldsm_a(q_s + mt * 16 * kStride + kk * 16, kStride, lane, a);
-            ldmatrix_x4(unsigned(__cvta_generic_to_shared(krow + kk * 16)), b[0], b[1], b[2], b[3]);
-            mma_bf16_16816(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
-            mma_bf16_16816(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
+#pragma unroll
+            for (int kg = 0; kg < kKeySteps; ++kg) {
+                uint32_t b[4];
+                ldmatrix_x4(unsigned(__cvta_generic_to_shared(krow + kg * 16 * kStride + kk * 16)), b[0], b[1],
+                            b[2], b[3]);
+                mma_bf16_16816(sc[2 * kg], a[0], a[1], a[2], a[3], b[0], b[1]);
+                mma_bf16_16816(sc[2 * kg + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+            }
         }
-        // Mask and scale (sc[nt][2h + e]: row g + 8h, key kb + 8nt + 2qd + e); the maxima over the 16 keys.
+        // Mask and scale (sc[nt][2h + e]: row g + 8h, key kb + 8nt + 2qd + e); the maxima over the warp's keys.
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = nt * 8 + 2 * qd + e;
@@ -914,7 +934,7 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
             const float new_m = m[h];
             float ps = 0.f;
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float &s = sc[nt][2 * h + e];
@@ -928,17 +948,21 @@ attention_tcq_kernel(const bf16 *q, int64_t ldq, int nq, const int32_t *q_positi
         if (i > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
             scale_rows(o, corr);
         }
-        // O += P V: P (bf16) as the A fragment straight from S's accumulators; V pairs of dim tiles by
-        // ldmatrix.trans (matrices: keys 0-7 / 8-15 of dims +0, then of dims +8).
-        const uint32_t a0 = pack_bf16(sc[0][0], sc[0][1]), a1 = pack_bf16(sc[0][2], sc[0][3]);
-        const uint32_t a2 = pack_bf16(sc[1][0], sc[1][1]), a3 = pack_bf16(sc[1][2], sc[1][3]);
-        const bf16 *vrow = vst + (kb + (lane & 15)) * kStride + (lane >> 4) * 8;
+        // O += P V, a k16 step per 16 keys: P (bf16) as the A fragment straight from S's accumulators; V pairs of
+        // dim tiles by ldmatrix.trans (matrices: keys 0-7 / 8-15 of dims +0, then of dims +8).
 #pragma unroll
-        for (int tp = 0; tp < kDimTiles / 2; ++tp) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(unsigned(__cvta_generic_to_shared(vrow + tp * 16)), b[0], b[1], b[2], b[3]);
-            mma_bf16_16816(o[2 * tp], a0, a1, a2, a3, b[0], b[1]);
-            mma_bf16_16816(o[2 * tp + 1], a0, a1, a2, a3, b[2], b[3]);
+        for (int kg = 0; kg < kKeySteps; ++kg) {
+            const uint32_t a0 = pack_bf16(sc[2 * kg][0], sc[2 * kg][1]), a1 = pack_bf16(sc[2 * kg][2], sc[2 * kg][3]);
+            const uint32_t a2 = pack_bf16(sc[2 * kg + 1][0], sc[2 * kg + 1][1]);
+            const uint32_t a3 = pack_bf16(sc[2 * kg + 1][2], sc[2 * kg + 1][3]);
+            const bf16 *vrow = vst + (kb + kg * 16 + (lane & 15)) * kStride + (lane >> 4) * 8;
+#pragma unroll
+            for (int tp = 0; tp < kDimTiles / 2; ++tp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(unsigned(__cvta_generic_to_shared(vrow + tp * 16)), b[0], b[1], b[2], b[3]);
+                mma_bf16_16816(o[2 * tp], a0, a1, a2, a3, b[0], b[1]);
+                mma_bf16_16816(o[2 * tp + 1], a0, a1, a2, a3, b[2], b[3]);
+            }
         }
     }
     DFLASH_PROBE(g_probe_attention, 3);
@@ -1089,6 +1113,18 @@ TcKernel requested_tc_kernel() {
     return k;
 }
 
+// DFLASH_ATTN_CHUNK=64|128 (read once): the key-quarter kernel's keys per chunk (attention_tcq_kernel's CK; the
+// other kernels keep 64). 0: unset (64).
+int tq_chunk_keys() {
+    static const int keys = [] {
+        const char *v = std::getenv("DFLASH_ATTN_CHUNK");
+        if (!v || !*v || std::string(v) == "64") return kTcKeys;
+        if (std::string(v) == "128") return kTqWideKeys;
+        fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_ATTN_CHUNK=", v, " (64 or 128)");
+    }();
+    return keys;
+}
+
 // DFLASH_ATTN_FILL=N (read once) aims at N blocks instead of 264 (or one wave, below): a test forces few splits,
 // so each split reads many chunks at short contexts. 0: unset.
 int64_t fill_blocks() {
@@ -1137,13 +1173,13 @@ Plan plan_for(int64_t nq, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
     const bool tc = use_tc(head_dim);
     Plan p;
     p.rows_per_tile = tc ? 0 : int(std::max<int64_t>(1, kMaxQueryVectors / group));  // tc: unused
-    p.chunk_keys = tc ? kTcKeys : kKeysPerChunk;
+    const bool quarter = tc && tc_kernel() == TcKernel::kQuarter;
+    p.chunk_keys = !tc ? kKeysPerChunk : quarter ? tq_chunk_keys() : kTcKeys;
     auto tiles = [&](int64_t rows) {
         return tc ? (rows * group + kTcVectors - 1) / kTcVectors : (rows + p.rows_per_tile - 1) / p.rows_per_tile;
     };
     p.q_tiles = int(tiles(nq));
-    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)),
-                           tc && tc_kernel() == TcKernel::kQuarter);
+    p.splits = grid_splits(capacity(keys), n_kv_heads, p.chunk_keys, tiles(split_rows(nq, keys)), quarter);
     return p;
 }
 
@@ -1177,16 +1213,26 @@ bool allow_tcq_smem() {
         int device = 0, optin = 0;
         DFLASH_CUDA_CHECK(cudaGetDevice(&device));
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-        if (tq_smem_bytes<128, 4>() > size_t(optin)) return false;
+        const bool wide = tq_chunk_keys() == kTqWideKeys;
+        if ((wide ? tq_smem_bytes<128, 4, kTqWideKeys>() : tq_smem_bytes<128, 4>()) > size_t(optin)) return false;
         auto allow = [](auto kernel, size_t bytes) {
             DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
         };
-        allow(attention_tcq_kernel<128, 1>, tq_smem_bytes<128, 1>());
-        allow(attention_tcq_kernel<128, 2>, tq_smem_bytes<128, 2>());
-        allow(attention_tcq_kernel<128, 4>, tq_smem_bytes<128, 4>());
-        allow(attention_tcq_kernel<64, 1>, tq_smem_bytes<64, 1>());
-        allow(attention_tcq_kernel<64, 2>, tq_smem_bytes<64, 2>());
-        allow(attention_tcq_kernel<64, 4>, tq_smem_bytes<64, 4>());
+        if (wide) {
+            allow(attention_tcq_kernel<128, 1, kTqWideKeys>, tq_smem_bytes<128, 1, kTqWideKeys>());
+            allow(attention_tcq_kernel<128, 2, kTqWideKeys>, tq_smem_bytes<128, 2, kTqWideKeys>());
+            allow(attention_tcq_kernel<128, 4, kTqWideKeys>, tq_smem_bytes<128, 4, kTqWideKeys>());
+            allow(attention_tcq_kernel<64, 1, kTqWideKeys>, tq_smem_bytes<64, 1, kTqWideKeys>());
+            allow(attention_tcq_kernel<64, 2, kTqWideKeys>, tq_smem_bytes<64, 2, kTqWideKeys>());
+            allow(attention_tcq_kernel<64, 4, kTqWideKeys>, tq_smem_bytes<64, 4, kTqWideKeys>());
+            return true;
+        }
+        allow(attention_tcq_kernel<128, 1, kTcKeys>, tq_smem_bytes<128, 1>());
+        allow(attention_tcq_kernel<128, 2, kTcKeys>, tq_smem_bytes<128, 2>());
+        allow(attention_tcq_kernel<128, 4, kTcKeys>, tq_smem_bytes<128, 4>());
+        allow(attention_tcq_kernel<64, 1, kTcKeys>, tq_smem_bytes<64, 1>());
+        allow(attention_tcq_kernel<64, 2, kTcKeys>, tq_smem_bytes<64, 2>());
+        allow(attention_tcq_kernel<64, 4, kTcKeys>, tq_smem_bytes<64, 4>());
         return true;
     }();
     return fits;
@@ -1274,12 +1320,21 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
             else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
             else go(k4, 4 * kTqQuarters * 32, b4);
         };
-        if (head_dim == 128)
-            pick(attention_tcq_kernel<128, 1>, attention_tcq_kernel<128, 2>, attention_tcq_kernel<128, 4>,
-                 tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(), tq_smem_bytes<128, 4>());
+        constexpr int W = kTqWideKeys;
+        if (p.chunk_keys == W && head_dim == 128)
+            pick(attention_tcq_kernel<128, 1, W>, attention_tcq_kernel<128, 2, W>, attention_tcq_kernel<128, 4, W>,
+                 tq_smem_bytes<128, 1, W>(), tq_smem_bytes<128, 2, W>(), tq_smem_bytes<128, 4, W>());
+        else if (p.chunk_keys == W)
+            pick(attention_tcq_kernel<64, 1, W>, attention_tcq_kernel<64, 2, W>, attention_tcq_kernel<64, 4, W>,
+                 tq_smem_bytes<64, 1, W>(), tq_smem_bytes<64, 2, W>(), tq_smem_bytes<64, 4, W>());
+        else if (head_dim == 128)
+            pick(attention_tcq_kernel<128, 1, kTcKeys>, attention_tcq_kernel<128, 2, kTcKeys>,
+                 attention_tcq_kernel<128, 4, kTcKeys>, tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(),
+                 tq_smem_bytes<128, 4>());
         else
-            pick(attention_tcq_kernel<64, 1>, attention_tcq_kernel<64, 2>, attention_tcq_kernel<64, 4>,
-                 tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(), tq_smem_bytes<64, 4>());
+            pick(attention_tcq_kernel<64, 1, kTcKeys>, attention_tcq_kernel<64, 2, kTcKeys>,
+                 attention_tcq_kernel<64, 4, kTcKeys>, tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(),
+                 tq_smem_bytes<64, 4>());
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
