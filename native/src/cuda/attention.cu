@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops.cuh"
@@ -1208,8 +1209,22 @@ bool allow_tc_smem(int64_t hd) {
     return fits3 & (hd == 128 ? 2 : 1);
 }
 
-// The key-quarter kernel's shared-memory opt-ins, once per process (for the device current then). Returns whether
-// its largest instantiation fits.
+// The shared-memory opt-ins of the key-quarter kernel's instantiations of one chunk size (CK).
+template <int CK>
+void allow_tcq_smem_of() {
+    auto allow = [](auto kernel, size_t bytes) {
+        DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    };
+    allow(attention_tcq_kernel<128, 1, CK>, tq_smem_bytes<128, 1, CK>());
+    allow(attention_tcq_kernel<128, 2, CK>, tq_smem_bytes<128, 2, CK>());
+    allow(attention_tcq_kernel<128, 4, CK>, tq_smem_bytes<128, 4, CK>());
+    allow(attention_tcq_kernel<64, 1, CK>, tq_smem_bytes<64, 1, CK>());
+    allow(attention_tcq_kernel<64, 2, CK>, tq_smem_bytes<64, 2, CK>());
+    allow(attention_tcq_kernel<64, 4, CK>, tq_smem_bytes<64, 4, CK>());
+}
+
+// The key-quarter kernel's shared-memory opt-ins for the process's chunk size (tq_chunk_keys), once per process (for
+// the device current then). Returns whether its largest instantiation fits.
 bool allow_tcq_smem() {
     static const bool fits = [] {
         int device = 0, optin = 0;
@@ -1217,24 +1232,7 @@ bool allow_tcq_smem() {
         DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
         const bool wide = tq_chunk_keys() == kTqWideKeys;
         if ((wide ? tq_smem_bytes<128, 4, kTqWideKeys>() : tq_smem_bytes<128, 4>()) > size_t(optin)) return false;
-        auto allow = [](auto kernel, size_t bytes) {
-            DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-        };
-        if (wide) {
-            allow(attention_tcq_kernel<128, 1, kTqWideKeys>, tq_smem_bytes<128, 1, kTqWideKeys>());
-            allow(attention_tcq_kernel<128, 2, kTqWideKeys>, tq_smem_bytes<128, 2, kTqWideKeys>());
-            allow(attention_tcq_kernel<128, 4, kTqWideKeys>, tq_smem_bytes<128, 4, kTqWideKeys>());
-            allow(attention_tcq_kernel<64, 1, kTqWideKeys>, tq_smem_bytes<64, 1, kTqWideKeys>());
-            allow(attention_tcq_kernel<64, 2, kTqWideKeys>, tq_smem_bytes<64, 2, kTqWideKeys>());
-            allow(attention_tcq_kernel<64, 4, kTqWideKeys>, tq_smem_bytes<64, 4, kTqWideKeys>());
-            return true;
-        }
-        allow(attention_tcq_kernel<128, 1, kTcKeys>, tq_smem_bytes<128, 1>());
-        allow(attention_tcq_kernel<128, 2, kTcKeys>, tq_smem_bytes<128, 2>());
-        allow(attention_tcq_kernel<128, 4, kTcKeys>, tq_smem_bytes<128, 4>());
-        allow(attention_tcq_kernel<64, 1, kTcKeys>, tq_smem_bytes<64, 1>());
-        allow(attention_tcq_kernel<64, 2, kTcKeys>, tq_smem_bytes<64, 2>());
-        allow(attention_tcq_kernel<64, 4, kTcKeys>, tq_smem_bytes<64, 4>());
+        wide ? allow_tcq_smem_of<kTqWideKeys>() : allow_tcq_smem_of<kTcKeys>();
         return true;
     }();
     return fits;
@@ -1317,26 +1315,22 @@ void attention(const bf16 *q, int64_t ldq, int64_t nq, const int32_t *q_position
         // m16 tiles per block: the vectors of a one-tile call (a decode step's 4 take one warp per quarter), else 4.
         const int64_t n_vec = nq * (n_heads / n_kv_heads);
         const int mt = p.q_tiles > 1 ? 4 : int((n_vec + 15) / 16);
-        auto pick = [&](auto k1, auto k2, auto k4, size_t b1, size_t b2, size_t b4) {
-            if (mt <= 1) go(k1, kTqQuarters * 32, b1);
-            else if (mt == 2) go(k2, 2 * kTqQuarters * 32, b2);
-            else go(k4, 4 * kTqQuarters * 32, b4);
+        // The instantiation for head_dim HD and chunks of CK keys (integral constants).
+        auto pick = [&](auto hd, auto ck) {
+            constexpr int HD = decltype(hd)::value, CK = decltype(ck)::value;
+            if (mt <= 1) go(attention_tcq_kernel<HD, 1, CK>, kTqQuarters * 32, tq_smem_bytes<HD, 1, CK>());
+            else if (mt == 2) go(attention_tcq_kernel<HD, 2, CK>, 2 * kTqQuarters * 32, tq_smem_bytes<HD, 2, CK>());
+            else go(attention_tcq_kernel<HD, 4, CK>, 4 * kTqQuarters * 32, tq_smem_bytes<HD, 4, CK>());
         };
-        constexpr int W = kTqWideKeys;
-        if (p.chunk_keys == W && head_dim == 128)
-            pick(attention_tcq_kernel<128, 1, W>, attention_tcq_kernel<128, 2, W>, attention_tcq_kernel<128, 4, W>,
-                 tq_smem_bytes<128, 1, W>(), tq_smem_bytes<128, 2, W>(), tq_smem_bytes<128, 4, W>());
-        else if (p.chunk_keys == W)
-            pick(attention_tcq_kernel<64, 1, W>, attention_tcq_kernel<64, 2, W>, attention_tcq_kernel<64, 4, W>,
-                 tq_smem_bytes<64, 1, W>(), tq_smem_bytes<64, 2, W>(), tq_smem_bytes<64, 4, W>());
-        else if (head_dim == 128)
-            pick(attention_tcq_kernel<128, 1, kTcKeys>, attention_tcq_kernel<128, 2, kTcKeys>,
-                 attention_tcq_kernel<128, 4, kTcKeys>, tq_smem_bytes<128, 1>(), tq_smem_bytes<128, 2>(),
-                 tq_smem_bytes<128, 4>());
-        else
-            pick(attention_tcq_kernel<64, 1, kTcKeys>, attention_tcq_kernel<64, 2, kTcKeys>,
-                 attention_tcq_kernel<64, 4, kTcKeys>, tq_smem_bytes<64, 1>(), tq_smem_bytes<64, 2>(),
-                 tq_smem_bytes<64, 4>());
+        using HD128 = std::integral_constant<int, 128>;
+        using HD64 = std::integral_constant<int, 64>;
+        using Wide = std::integral_constant<int, kTqWideKeys>;
+        using Narrow = std::integral_constant<int, kTcKeys>;
+        const bool wide = p.chunk_keys == kTqWideKeys;
+        if (head_dim == 128 && wide) pick(HD128{}, Wide{});
+        else if (head_dim == 128) pick(HD128{}, Narrow{});
+        else if (wide) pick(HD64{}, Wide{});
+        else pick(HD64{}, Narrow{});
     } else if (tc && tc_kernel() == TcKernel::kEight) {
         if (head_dim == 128)
             go(attention_tc8_kernel<128>, kT8Warps * 32, t8_smem_bytes<128>());
