@@ -139,3 +139,36 @@ def test_cubin_diff_tells_changed_kernels_from_unchanged(tmp_path):
     assert dict((n, s) for s, n in cubin_diff.compare(new, old))[".text._Z5addedPf"] == "removed"
     with pytest.raises(ValueError):
         cubin_diff.text_sections(b"not an elf file at all" * 4)
+
+
+def test_source_hash_follows_the_build_sources_only(tmp_path):
+    """tools/source_hash.sh (what tools/prebuild.sh stamps and gpu_check.sh compares on the device, whose tree is a
+    copy without .git): the same hash for a copy of the sources, unchanged by Python caches and by files the build
+    does not read, changed by an edit of a kernel."""
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    script = os.path.join(root, "tools", "source_hash.sh")
+
+    def source_hash(tree):
+        proc = subprocess.run(["bash", os.path.join(tree, "tools", "source_hash.sh")], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert len(proc.stdout.strip()) == 64
+        return proc.stdout.strip()
+
+    copy = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "lib")
+    for d in ("native", "pydflash", os.path.join("tests", "cuda")):
+        shutil.copytree(os.path.join(root, d), copy / d, ignore=ignore)
+    (copy / "tools").mkdir()
+    for f in ("CMakeLists.txt", "pyproject.toml", os.path.join("tools", "gemm_chain_bench.cpp")):
+        shutil.copy(os.path.join(root, f), copy / f)
+    shutil.copy(script, copy / "tools" / "source_hash.sh")
+    first = source_hash(str(copy))
+    assert first == source_hash(root)
+    (copy / "pydflash" / "__pycache__").mkdir()
+    (copy / "pydflash" / "__pycache__" / "cli.cpython-312.pyc").write_bytes(b"\0cache")
+    (copy / "tools" / "bench.py").write_text("# not built\n")
+    assert source_hash(str(copy)) == first
+    kernel = copy / "native" / "src" / "cuda" / "rope.cu"
+    kernel.write_text(kernel.read_text() + "\n// an edit\n")
+    assert source_hash(str(copy)) != first
