@@ -5,6 +5,8 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+# What .gitignore keeps out of the device's copy is left out here too (caches, objects, the installed library).
 find native pydflash tests/cuda tools/gemm_chain_bench.cpp CMakeLists.txt pyproject.toml \
-        -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -path 'pydflash/lib/*' ! -name '*.so' -print0 |
+        -type f ! -path '*/__pycache__/*' ! -path '*/.pytest_cache/*' ! -path '*.egg-info/*' ! -name '*.pyc' \
+        ! -name '*.so' ! -name '*.o' ! -path 'pydflash/lib/*' -print0 |
     LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
