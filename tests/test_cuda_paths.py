@@ -239,12 +239,21 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
     _lossless_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_pdl_trigger_fit():
+    """The same lossless cases with DFLASH_PDL_TRIGGER=fit (session 47: GEMMs whose grid fits one wave let the next
+    kernel launch at their start): the trigger only moves when the next kernel's blocks are scheduled, so the
+    tokens must be the same, and nothing may hang while early dependents wait beside the GEMM's blocks."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers the default trigger in the other tests")
+    _lossless_in_a_process({"DFLASH_PDL_TRIGGER": "fit"})
+
+
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
                                             ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4"),
                                             ("DFLASH_ATTN_CHUNK", "96")])
 def test_a_bad_switch_fails_naming_the_variable(make_pair, variable, value):
     """A switch out of its range (DFLASH_GEMM_FOLD_NORM and DFLASH_GEMM_PERSIST outside 0-3, DFLASH_SMEM_CARVEOUT
-    outside -1-100, DFLASH_PDL_TRIGGER not auto, early, late or issued, DFLASH_ATTN_CHUNK not 64 or 128) fails the
+    outside -1-100, DFLASH_PDL_TRIGGER not auto, fit, early, late or issued, DFLASH_ATTN_CHUNK not 64 or 128) fails the
     call that first reads it (loading or the first forward) with DFLASH_STATUS_INVALID_ARGUMENT naming it."""
     target_dir, _ = make_pair(900, **CASES[0])
     script = ("import sys, pydflash\n"

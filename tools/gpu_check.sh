@@ -35,7 +35,8 @@
 #   --lean               bring back fewer files (no summary.json, bench.png, logs/bench.log), leaving
 #                        room under $OUT for what --then writes (the device tool returns at most 8)
 #   --seed N             test_ops seed (default: the clock; printed and recorded either way)
-# A carried build/prebuilt (tools/prebuild.sh, here) replaces the build stage when its sources hash the same.
+# A carried build/prebuilt (tools/prebuild.sh, here) replaces the build stage when its sources hash the same
+# (with --probe, it also leaves the phase probe's gemm_chain_bench at build/probe/gemm_chain_bench).
 #   --budget S           seconds for the whole run (default 560, inside the device tool's 600 s per
 #                        command): a stage that would start with under 20 s left is skipped, and every
 #                        stage runs under `timeout` with what is left, so the summary is always written
@@ -316,6 +317,8 @@ if (( PREBUILT_OK )); then
         python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter=\"tar\")' \
             '$PREBUILT/bundle.tar.xz' '$WORK/prebuilt' && \
         mv '$WORK/prebuilt/gpu_bin/test_ops' '$WORK/prebuilt/gpu_bin/gemm_chain_bench' '$BUILD/' && \
+        if [[ -f '$WORK/prebuilt/gpu_bin/gemm_chain_bench_probe' ]]; then mkdir -p build/probe && \
+            mv '$WORK/prebuilt/gpu_bin/gemm_chain_bench_probe' build/probe/gemm_chain_bench; fi && \
         rmdir '$WORK/prebuilt/gpu_bin' && cp -a '$WORK/prebuilt/.' '$SITE/' && cp -a pydflash/models '$SITE/pydflash/'"
     STAGE_NOTE="$STAGE_NOTE prebuilt=1"
 elif (( ONLY_OPS )); then

@@ -44,21 +44,28 @@ const DeviceFacts &device_facts() {
 // default (auto) is issued for calls of more than one row and early for one. Measured on the H100 (session 35,
 // bench.py --variants, against auto = late for more than one row): issued made verify 2.1%, the 8B propose 2.4%,
 // the 4B propose 2.8% and the ctx-8192 propose 3.5% faster, decode 1.3% slower (early stays for one row; session
-// 12 on the H200: late had made verify and propose about 2% faster than early, decode 2% slower). A function of
-// M alone, and it only moves when the next kernel's blocks are scheduled, never what they read: a row's sums
-// never depend on it. Read once.
-int pdl_trigger(int64_t M) {
-    static const int mode = [] {  // -1 auto, else a PdlTrigger; -2 a bad value
+// 12 on the H200: late had made verify and propose about 2% faster than early, decode 2% slower).
+// DFLASH_PDL_TRIGGER=fit (session 47, not yet measured): early wherever the launch's `blocks` fit the resident
+// slots of one wave (sms x the tiled kernel's blocks per SM), where no block of its own waits for a slot an early
+// dependent could take, else auto's choice. A function of M and the launch's shape, and it only moves when the
+// next kernel's blocks are scheduled, never what they read: a row's sums never depend on it. Read once.
+int pdl_trigger(int64_t M, int64_t blocks) {
+    static const int mode = [] {  // -1 auto, -3 fit, else a PdlTrigger; -2 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
         if (!v || !*v || std::string(v) == "auto") return -1;
+        if (std::string(v) == "fit") return -3;
         if (std::string(v) == "early") return int(PdlTrigger::Early);
         if (std::string(v) == "late") return int(PdlTrigger::Late);
         return std::string(v) == "issued" ? int(PdlTrigger::Issued) : -2;
     }();
     if (mode == -2)
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
-             " (auto, early, late or issued)");
+             " (auto, fit, early, late or issued)");
     if (mode >= 0) return mode;
+    if (mode == -3) {
+        const DeviceFacts &f = device_facts();
+        if (blocks <= int64_t(f.sms) * std::max(1, f.tiled_blocks_per_sm)) return int(PdlTrigger::Early);
+    }
     return int(M > 1 ? PdlTrigger::Issued : PdlTrigger::Early);
 }
 
