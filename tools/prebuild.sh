@@ -7,7 +7,7 @@
 #
 #   tools/prebuild.sh           # 2 cores: about 3 minutes from scratch (incremental after: build/prebuilt_build)
 #   tools/prebuild.sh --probe   # also gemm_chain_bench with the phase probe (-DDFLASH_PHASE_PROBE=ON), which
-#                               # gpu_check.sh puts at build/probe/gemm_chain_bench: 3 minutes more
+#                               # gpu_check.sh puts at build/probe/gemm_chain_bench: about 4 minutes in all
 set -euo pipefail
 PROBE=0
 [[ ${1:-} == --probe ]] && PROBE=1
