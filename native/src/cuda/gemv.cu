@@ -36,6 +36,14 @@ const DeviceFacts &device_facts() {
     return f;
 }
 
+namespace {
+// Blocks of the ring-fed GEMM resident at once, one wave: SMs x blocks per SM of the layout's kernel (ks 8).
+int64_t wave_slots(bool tiled) {
+    const DeviceFacts &f = device_facts();
+    return int64_t(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
+}
+}  // namespace
+
 // When the ring-fed GEMM lets the next kernel launch (PdlTrigger, gemv_kernels.cuh): at its start (early), once
 // every block is past its k loop (late), so early dependents take no slots from its later blocks, or once every
 // block has issued its last weight load (issued: the ring still holds S - 1 chunks to consume, so the next
@@ -45,11 +53,11 @@ const DeviceFacts &device_facts() {
 // bench.py --variants, against auto = late for more than one row): issued made verify 2.1%, the 8B propose 2.4%,
 // the 4B propose 2.8% and the ctx-8192 propose 3.5% faster, decode 1.3% slower (early stays for one row; session
 // 12 on the H200: late had made verify and propose about 2% faster than early, decode 2% slower).
-// DFLASH_PDL_TRIGGER=fit (session 47, not yet measured): early wherever the launch's `blocks` fit the resident
-// slots of one wave (sms x the tiled kernel's blocks per SM), where no block of its own waits for a slot an early
-// dependent could take, else auto's choice. A function of M and the launch's shape, and it only moves when the
-// next kernel's blocks are scheduled, never what they read: a row's sums never depend on it. Read once.
-int pdl_trigger(int64_t M, int64_t blocks) {
+// DFLASH_PDL_TRIGGER=fit (session 47, not yet measured): early wherever the launch's `blocks` fit one wave of its
+// layout (wave_slots(tiled)), where no block of its own waits for a slot an early dependent could take, else
+// auto's choice. A function of M and the launch's shape, and it only moves when the next kernel's blocks are
+// scheduled, never what they read: a row's sums never depend on it. Read once.
+int pdl_trigger(int64_t M, int64_t blocks, bool tiled) {
     static const int mode = [] {  // -1 auto, -3 fit, else a PdlTrigger; -2 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
         if (!v || !*v || std::string(v) == "auto") return -1;
@@ -62,10 +70,7 @@ int pdl_trigger(int64_t M, int64_t blocks) {
         fail(DFLASH_STATUS_INVALID_ARGUMENT, "DFLASH_PDL_TRIGGER=", std::getenv("DFLASH_PDL_TRIGGER"),
              " (auto, fit, early, late or issued)");
     if (mode >= 0) return mode;
-    if (mode == -3) {
-        const DeviceFacts &f = device_facts();
-        if (blocks <= int64_t(f.sms) * std::max(1, f.tiled_blocks_per_sm)) return int(PdlTrigger::Early);
-    }
+    if (mode == -3 && blocks <= wave_slots(tiled)) return int(PdlTrigger::Early);
     return int(M > 1 ? PdlTrigger::Issued : PdlTrigger::Early);
 }
 
@@ -181,8 +186,7 @@ namespace {
 // no ks can.
 template <class Blocks>
 int best_ks(int64_t K, bool tiled, int max_ks, Blocks blocks) {
-    const DeviceFacts &f = device_facts();
-    const double slots = double(f.sms) * std::max(1, tiled ? f.tiled_blocks_per_sm : f.stream_blocks_per_sm);
+    const double slots = double(wave_slots(tiled));
     const int64_t chunks = (K + kChunk - 1) / kChunk;
     int best = 0;
     double best_score = -1.0;

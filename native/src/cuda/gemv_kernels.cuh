@@ -1074,7 +1074,7 @@ struct DeviceFacts {
     bool bulk_ok = false;  // sm_90+: the bulk and tensor copy engine (XLoad::RingBulk, RingTma)
 };
 const DeviceFacts &device_facts();
-int pdl_trigger(int64_t M, int64_t blocks);  // blocks: the launch's grid
+int pdl_trigger(int64_t M, int64_t blocks, bool tiled);  // blocks: the launch's grid; tiled: its layout
 unsigned persistent_blocks(int64_t col_blocks, int64_t row_tiles, int64_t M);
 bool stream_enabled();
 bool slice_enabled(bool persist);
@@ -1211,7 +1211,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
             if (tma && x_tensor_map(&xmap, x, M, ldx, K)) {
                 launch(gemm_stream_tma_kernel<KS, E, FUSE>, grid, kWarps * 32, xring_smem_bytes<KS, true>(), s, x, M, ldx, w,
                        N, K, y, ldy, multiplier, softcap, logits_out, partial, pair,
-                       pdl_trigger(M, int64_t(grid.x) * grid.y * grid.z),
+                       pdl_trigger(M, int64_t(grid.x) * grid.y * grid.z, true),
                        int64_t(col_blocks), fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
                        FUSE == kNorm && late_scales_at(false), xmap);
                 return;
@@ -1251,9 +1251,10 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                                 : xr == 16 ? stream_smem_bytes<KS, true, false, 0, 16>()
                                 : w_tiled ? stream_smem_bytes<KS, true>()
                                           : stream_smem_bytes<KS, false>();
-            launch(kernel, persist ? dim3(grid.x, persist) : grid, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy,
-                   multiplier, softcap, logits_out, partial, pair,
-                   pdl_trigger(M, int64_t(grid.x) * (persist ? persist : grid.y) * grid.z), int64_t(col_blocks),
+            const dim3 launched = persist ? dim3(grid.x, persist) : grid;
+            launch(kernel, launched, kWarps * 32, smem, s, x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out,
+                   partial, pair, pdl_trigger(M, int64_t(launched.x) * launched.y * launched.z, w_tiled),
+                   int64_t(col_blocks),
                    fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
                    FUSE == kNorm && late_scales_at(persist != 0));
         } else if constexpr (!kSwiGLU && FUSE == kPlain) {
