@@ -239,6 +239,17 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
     _lossless_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"})
 
 
+def test_cuda_drafter_with_norms_inside_gemms_matches_host():
+    """The drafter's proposes against the host backend's with every folded norm inside its GEMM
+    (DFLASH_GEMM_FOLD_NORM=3): the input norm then goes into the fused q/k/v weight and that GEMM norms x with the
+    sums of squares from the down before it (session 48). The lossless cases cannot see a wrong drafter (it only
+    costs acceptance), so this compares its hidden states and drafts: the 6 cases of
+    test_drafter_propose_cuda_matches_host in a process of their own."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; the sanitizer stage covers test_ops' gemm_fused cases")
+    _tests_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"}, "drafter_propose_cuda_matches_host", 6)
+
+
 def test_cuda_speculative_equals_cuda_autoregressive_pdl_trigger_fit():
     """The same lossless cases with DFLASH_PDL_TRIGGER=fit (session 47: GEMMs whose grid fits one wave let the next
     kernel launch at their start): the trigger only moves when the next kernel's blocks are scheduled, so the

@@ -171,11 +171,17 @@ void Drafter::finalize() {
         gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                               layer_name(i, "mlp.up_proj.weight")}));
     // Where the backend folds norms, each layer's post-attention norm goes into its gate/up weight (see
-    // Target::finalize). The input norm stays a kernel: its output feeds q and the block's K/V, whose
-    // weight the context rows share unnormed.
+    // Target::finalize). The input norm goes into the block's q/k/v weight only where that weight is a copy
+    // of its own (fuse_qkv: the context rows read fused_kv unnormed) and the q/k/v GEMM takes its rows' sums of
+    // squares from the down before it (Backend::reads_norm_stats): then the norm kernel between down and q/k/v
+    // goes away, as in the target. Elsewhere it stays a kernel (a folded weight would only trade it for the
+    // unit-weight norm kernel before a plain GEMM).
     const bool fold = backend_->folds_norms();
+    const bool fold_input = fold && fuse_qkv && backend_->reads_norm_stats(Backend::NormOp::Gemm);
     for (int i = 0; fold && i < L; ++i)
         backend_->fold_norm(gate_up[size_t(i)].view(), weights_.view(layer_name(i, "post_attention_layernorm.weight")));
+    for (int i = 0; fold_input && i < L; ++i)
+        backend_->fold_norm(qkv[size_t(i)].view(), weights_.view(layer_name(i, "input_layernorm.weight")));
     // GEMM weights in the backend's streaming layout (a no-op on the host; see Target::finalize).
     if ((2 * kv_width_) % kTileRows == 0)  // propose slices it by layer (2 * kv_width rows)
         fused_kv = weights_.tiled_for_gemm(std::move(fused_kv));
@@ -226,6 +232,7 @@ void Drafter::finalize() {
     probs_ = std::move(probs);
     ss_ = std::move(ss);
     folded_ = fold;
+    fold_input_ = fold_input;
     for (const auto &n : kv_names) weights_.erase(n);
     layers_.clear();
     for (int i = 0; i < L; ++i) {
@@ -507,16 +514,23 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
         backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
                         x_.get());
         const int64_t kv2 = 2 * kv_width_;
-        // Each layer's input norm is fused with the residual add that ends the layer before it.
-        backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
+        // Each layer's input norm is fused with the residual add that ends the layer before it, or (fold_input_)
+        // taken by the q/k/v GEMM itself from x_, with the sums of squares of the down before it (layer 0's x_
+        // comes from embed, without them).
+        float *ss_qkv = fold_input_ ? ss_.as<float>() : nullptr;
+        if (!fold_input_) backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[l];
+            const bool last = l + 1 == p_.num_layers;
             // The block's own K/V go through the same k_proj/v_proj rows as the context: with q in one GEMM
             // (a row of q_: q heads, then k heads, then v heads), or fused_kv_'s slice.
             const bool one_gemm = !fused_qkv_.empty();
             const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
             void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
-            if (one_gemm) {
+            if (fold_input_) {  // (one_gemm)
+                backend_->gemm(x_.get(), width, H, layer.qkv_proj, q_.get(), ldq, GemmRows::Uniform,
+                               GemmFuse{eps, false, l > 0 ? ss_qkv : nullptr, nullptr});
+            } else if (one_gemm) {
                 backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
             } else {
                 backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
@@ -528,7 +542,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                                          inv_freq_.as<float>(), rope_.attention_factor, d_slots};
             backend_->rope_attention(rope, width, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
                                      AttentionMask{layer.causal, layer.window}, keys, attn_.get());
-            const WeightView next_norm = l + 1 < p_.num_layers ? layers_[l + 1].input_norm : weight("norm.weight");
+            const WeightView next_norm = last ? weight("norm.weight") : layers_[l + 1].input_norm;
             if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
                 // o_proj's sums of squares only where gate/up reads them (Backend::reads_norm_stats).
                 float *ss = backend_->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss_.as<float>() : nullptr;
@@ -537,8 +551,9 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                 backend_->gemm_swiglu(x_.get(), width, H, layer.gate_up, p_.intermediate_size, gate_up_.get(),
                                       mlp_.get(), GemmRows::Uniform, GemmFuse{eps, false, ss, nullptr});
                 backend_->gemm(mlp_.get(), width, p_.intermediate_size, layer.down, x_.get(), H, GemmRows::Uniform,
-                               GemmFuse{0.f, true});
-                backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);
+                               GemmFuse{0.f, true, nullptr, last ? nullptr : ss_qkv});
+                if (!fold_input_ || last)  // the final norm feeds lm_head (and read_hidden)
+                    backend_->rms_norm(x_.get(), width, 1, H, H, next_norm, eps, xn_.get(), H);
             } else {
                 backend_->gemm(attn_.get(), width, q_width_, layer.o_proj, xn_.get(), H);
                 backend_->add_rms_norm(x_.get(), xn_.get(), width, H, layer.post_norm, eps, xn_.get());
