@@ -2,8 +2,8 @@
 
 The cuda backend folds unless DFLASH_FUSED_NORM=0 (on by default since session 15): the target's input
 and post-attention RMSNorms go into its q/k/v and gate/up weights, the drafter's post-attention norm into its
-gate/up weight (and its input norm into its fused q/k/v weight where that GEMM takes the sums of squares from
-down: DFLASH_GEMM_FOLD_NORM's bit 1 on cuda), the GEMMs norm their rows themselves, and o_proj / down add into
+gate/up weight (and its input norm into its fused q/k/v weight, hidden_norm into the context's K/V weight, where
+those GEMMs take the sums of squares from the GEMM before: DFLASH_GEMM_FOLD_NORM's bit 1 on cuda), the GEMMs norm their rows themselves, and o_proj / down add into
 the residual stream.
 DFLASH_HOST_FOLD=1 (read at each finalize) makes the host backend do the same, so these tests cover the models'
 side of it with float32 checkpoints (folding a bf16 weight rounds each product to bf16, which the reference
@@ -62,10 +62,12 @@ def test_folding_changes_the_arithmetic_not_the_result(make_pair, monkeypatch):
     assert err < 1e-5, f"folded hidden states differ by {err:.2e} (relative)"
 
 
-def test_drafter_folds_its_input_norm_only_into_its_own_qkv_weight(make_pair, monkeypatch):
-    """The drafter's input norm goes into the block's q/k/v weight only where that weight is a copy of its own
-    (DFLASH_DRAFTER_FUSED_QKV, the default; the context rows' K/V weight stays unnormed). With two GEMMs the host's
-    q and K/V products are the same numbers as with one, so a difference here is the fold's alone."""
+def test_drafter_folds_its_input_norms_only_where_qkv_has_its_own_weight(make_pair, monkeypatch):
+    """The drafter's input norms go into the block's q/k/v weight, and hidden_norm into the context rows' K/V
+    weight, only where the block's q/k/v weight is a copy of its own (DFLASH_DRAFTER_FUSED_QKV, the default; with
+    two GEMMs the block's K/V read the context's weight, which neither norm fits). With two GEMMs the host's q and
+    K/V products are the same numbers as with one, so a difference here is the folds' alone (and
+    test_folded_drafter_matches_reference holds the folded drafter to the reference)."""
     target_dir, draft_dir = make_pair(1301, dtype="float32", vocab_size=256, hidden_size=64, target_num_layers=3,
                                       num_layers=2, target_layer_ids=[0, 2], block_size=8)
     monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
@@ -73,9 +75,9 @@ def test_drafter_folds_its_input_norm_only_into_its_own_qkv_weight(make_pair, mo
     apart = _hidden(target_dir, draft_dir)
     monkeypatch.setenv("DFLASH_DRAFTER_FUSED_QKV", "1")
     fused = _hidden(target_dir, draft_dir)
-    assert not np.array_equal(apart, fused), "the fused q/k/v weight did not take the input norm"
+    assert not np.array_equal(apart, fused), "the folds did not run"
     err = np.linalg.norm(fused - apart) / np.linalg.norm(apart)
-    assert err < 1e-5, f"input norm folded: hidden states differ by {err:.2e} (relative)"
+    assert err < 1e-5, f"input norms folded: hidden states differ by {err:.2e} (relative)"
     monkeypatch.delenv("DFLASH_HOST_FOLD")
     plain_apart = _hidden(target_dir, draft_dir)
     monkeypatch.setenv("DFLASH_DRAFTER_FUSED_QKV", "0")

@@ -171,10 +171,11 @@ void Drafter::finalize() {
         gate_up.push_back(weights_.fuse_rows({layer_name(i, "mlp.gate_proj.weight"),
                                               layer_name(i, "mlp.up_proj.weight")}));
     // Where the backend folds norms, each layer's post-attention norm goes into its gate/up weight (see
-    // Target::finalize). The input norm goes into the block's q/k/v weight only where that weight is a copy
-    // of its own (fuse_qkv: the context rows read fused_kv unnormed) and the q/k/v GEMM takes its rows' sums of
-    // squares from the down before it (Backend::reads_norm_stats): then the norm kernel between down and q/k/v
-    // goes away, as in the target. Elsewhere it stays a kernel (a folded weight would only trade it for the
+    // Target::finalize). The norms before the K/V projections fold too where the block's q/k/v weight is a copy
+    // of its own (fuse_qkv: then fused_kv serves the context rows alone) and a norming GEMM takes its rows' sums
+    // of squares from the GEMM before it (Backend::reads_norm_stats): each layer's input norm into its q/k/v
+    // weight (the sums from the down before it), hidden_norm into fused_kv (the sums from fc), so the norm kernels
+    // there go away, as in the target. Elsewhere they stay kernels (a folded weight would only trade each for the
     // unit-weight norm kernel before a plain GEMM).
     const bool fold = backend_->folds_norms();
     const bool fold_input = fold && fuse_qkv && backend_->reads_norm_stats(Backend::NormOp::Gemm);
@@ -182,6 +183,7 @@ void Drafter::finalize() {
         backend_->fold_norm(gate_up[size_t(i)].view(), weights_.view(layer_name(i, "post_attention_layernorm.weight")));
     for (int i = 0; fold_input && i < L; ++i)
         backend_->fold_norm(qkv[size_t(i)].view(), weights_.view(layer_name(i, "input_layernorm.weight")));
+    if (fold_input) backend_->fold_norm(fused_kv.view(), weights_.view("hidden_norm.weight"));
     // GEMM weights in the backend's streaming layout (a no-op on the host; see Target::finalize).
     if ((2 * kv_width_) % kTileRows == 0)  // propose slices it by layer (2 * kv_width rows)
         fused_kv = weights_.tiled_for_gemm(std::move(fused_kv));
@@ -217,7 +219,7 @@ void Drafter::finalize() {
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
         step(b, (4 * g + 2 * c + 2) * sizeof(int32_t)),
         probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
-        ss(fold ? b : nullptr, fold ? g * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
+        ss(fold ? b : nullptr, fold ? (fold_input ? std::max(g, c) : g) * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
     // Commit.
     fused_kv_ = std::move(fused_kv);
@@ -357,10 +359,14 @@ void Drafter::enqueue_projection(const void *features, int64_t P) {
     const int64_t H = p_.hidden_size, hd = p_.head_dim, nkv = p_.num_kv_heads;
     int32_t *step = step_i32_.as<int32_t>();
     const int32_t *ctx_pos = step + 3 * gamma_, *ctx_slots = ctx_pos + chunk_rows_;
-    backend_->gemm(features, P, feature_width_, weight("fc.weight"), ctx_h_.get(), H);
-    backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps,
-                       ctx_h_.get(), H);
-    backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_);
+    // hidden_norm: a kernel, or (fold_input_) in fused_kv's weight, its GEMM norming with fc's sums of squares.
+    float *ss = fold_input_ ? ss_.as<float>() : nullptr;
+    backend_->gemm(features, P, feature_width_, weight("fc.weight"), ctx_h_.get(), H, GemmRows::Uniform,
+                   GemmFuse{0.f, false, nullptr, ss});
+    if (!fold_input_)
+        backend_->rms_norm(ctx_h_.get(), P, 1, H, H, weight("hidden_norm.weight"), p_.rms_norm_eps, ctx_h_.get(), H);
+    backend_->gemm(ctx_h_.get(), P, H, fused_kv_.view(), ctx_kv_.get(), fused_kv_width_, GemmRows::Uniform,
+                   GemmFuse{fold_input_ ? p_.rms_norm_eps : 0.f, false, ss, nullptr});
     // Every layer's k norm + RoPE and cache writes in one call (one launch on cuda).
     std::vector<const WeightView *> k_norms;
     std::vector<void *> k_caches, v_caches;

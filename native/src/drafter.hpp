@@ -150,7 +150,7 @@ private:
     std::shared_ptr<const SharedHead> shared_;
     bool finalized_ = false;
     bool folded_ = false;  // post-attention norms folded into the gate/up weights (Backend::folds_norms)
-    bool fold_input_ = false;  // input norms folded into the q/k/v weights, normed by that GEMM (see finalize)
+    bool fold_input_ = false;  // input norms in the q/k/v weights, hidden_norm in fused_kv's: normed by the GEMM (finalize)
 
     // built by finalize
     WeightStore::Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...
@@ -164,7 +164,7 @@ private:
     DeviceBuffer inv_freq_;
     // scratch (gamma rows for the block, chunk_rows rows for the context projection)
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
-    DeviceBuffer ss_;  // folded_: the rows' sums of squares from o_proj to gate/up, down to q/k/v (GemmFuse)
+    DeviceBuffer ss_;  // folded_: rows' sums of squares, o_proj to gate/up, down to q/k/v, fc to fused_kv (GemmFuse)
     // tokens [gamma], q positions [gamma], noise slots [gamma], ctx positions [chunk_rows], ctx slots
     // [chunk_rows], drafts [gamma], the block's key count [1]
     DeviceBuffer step_i32_;
