@@ -50,16 +50,24 @@ def _hidden(target_dir, draft_dir):
             return dseq.read_hidden()
 
 
+def _small_pair(make_pair, seed):
+    return make_pair(seed, dtype="float32", vocab_size=256, hidden_size=64, target_num_layers=3, num_layers=2,
+                     target_layer_ids=[0, 2], block_size=8)
+
+
+def _assert_close_not_equal(base, other, what):
+    """other is base computed another way: not bit for bit the same (else that way did not run), within 1e-5."""
+    assert not np.array_equal(base, other), f"{what} changed nothing: the folded path did not run"
+    err = np.linalg.norm(other - base) / np.linalg.norm(base)
+    assert err < 1e-5, f"{what}: hidden states differ by {err:.2e} (relative)"
+
+
 def test_folding_changes_the_arithmetic_not_the_result(make_pair, monkeypatch):
-    target_dir, draft_dir = make_pair(1300, dtype="float32", vocab_size=256, hidden_size=64, target_num_layers=3,
-                                      num_layers=2, target_layer_ids=[0, 2], block_size=8)
+    target_dir, draft_dir = _small_pair(make_pair, 1300)
     monkeypatch.delenv("DFLASH_HOST_FOLD", raising=False)
     plain = _hidden(target_dir, draft_dir)
     monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
-    folded = _hidden(target_dir, draft_dir)
-    assert not np.array_equal(plain, folded), "DFLASH_HOST_FOLD=1 changed nothing: the folded path did not run"
-    err = np.linalg.norm(folded - plain) / np.linalg.norm(plain)
-    assert err < 1e-5, f"folded hidden states differ by {err:.2e} (relative)"
+    _assert_close_not_equal(plain, _hidden(target_dir, draft_dir), "DFLASH_HOST_FOLD=1")
 
 
 def test_drafter_folds_its_input_norms_only_where_qkv_has_its_own_weight(make_pair, monkeypatch):
@@ -68,16 +76,12 @@ def test_drafter_folds_its_input_norms_only_where_qkv_has_its_own_weight(make_pa
     two GEMMs the block's K/V read the context's weight, which neither norm fits). With two GEMMs the host's q and
     K/V products are the same numbers as with one, so a difference here is the folds' alone (and
     test_folded_drafter_matches_reference holds the folded drafter to the reference)."""
-    target_dir, draft_dir = make_pair(1301, dtype="float32", vocab_size=256, hidden_size=64, target_num_layers=3,
-                                      num_layers=2, target_layer_ids=[0, 2], block_size=8)
+    target_dir, draft_dir = _small_pair(make_pair, 1301)
     monkeypatch.setenv("DFLASH_HOST_FOLD", "1")
     monkeypatch.setenv("DFLASH_DRAFTER_FUSED_QKV", "0")
     apart = _hidden(target_dir, draft_dir)
     monkeypatch.setenv("DFLASH_DRAFTER_FUSED_QKV", "1")
-    fused = _hidden(target_dir, draft_dir)
-    assert not np.array_equal(apart, fused), "the folds did not run"
-    err = np.linalg.norm(fused - apart) / np.linalg.norm(apart)
-    assert err < 1e-5, f"input norms folded: hidden states differ by {err:.2e} (relative)"
+    _assert_close_not_equal(apart, _hidden(target_dir, draft_dir), "one q/k/v GEMM, folded")
     monkeypatch.delenv("DFLASH_HOST_FOLD")
     plain_apart = _hidden(target_dir, draft_dir)
     monkeypatch.setenv("DFLASH_DRAFTER_FUSED_QKV", "0")
