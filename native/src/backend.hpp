@@ -178,9 +178,10 @@ public:
     // dst[n, width] (act) = src[n, width] (src_dtype; host memory if !src_on_device).
     virtual void convert_rows(const void *src, dflash_dtype src_dtype, bool src_on_device,
                               int64_t n, int64_t width, void *dst) = 0;
-    // out[n, H] = table[tokens[i]] * scale.  tokens: [n] int32 device.
+    // out[n, H] = table[tokens[i]] * scale.  tokens: [n] int32 device. ss_out (non-null): the rows' sums of
+    // squares of the stored out, as GemmFuse::ss_out ([n, ss_parts(H)]), for a first GEMM that norms out itself.
     virtual void embed(const int32_t *tokens, int64_t n, WeightView table, float scale,
-                       void *out) = 0;
+                       void *out, float *ss_out = nullptr) = 0;
     // y[r, g, :] = x[r, g, :] / rms(x[r, g, :]) * w, for `groups` vectors of `dim` per row;
     // rows are ld_x / ld_y elements apart. y may alias x.
     virtual void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,

@@ -517,13 +517,12 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
 
     auto block = [&] {
         if (projected) enqueue_projection(features, projected);  // the pending context rows into the caches
-        backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale,
-                        x_.get());
         const int64_t kv2 = 2 * kv_width_;
         // Each layer's input norm is fused with the residual add that ends the layer before it, or (fold_input_)
-        // taken by the q/k/v GEMM itself from x_, with the sums of squares of the down before it (layer 0's x_
-        // comes from embed, without them).
+        // taken by the q/k/v GEMM itself from x_, with the sums of squares of the down before it (layer 0's from
+        // embed).
         float *ss_qkv = fold_input_ ? ss_.as<float>() : nullptr;
+        backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale, x_.get(), ss_qkv);
         if (!fold_input_) backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[l];
@@ -535,7 +534,7 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
             void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
             if (fold_input_) {  // (one_gemm)
                 backend_->gemm(x_.get(), width, H, layer.qkv_proj, q_.get(), ldq, GemmRows::Uniform,
-                               GemmFuse{eps, false, l > 0 ? ss_qkv : nullptr, nullptr});
+                               GemmFuse{eps, false, ss_qkv, nullptr});
             } else if (one_gemm) {
                 backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
             } else {

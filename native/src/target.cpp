@@ -261,7 +261,6 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     // A prefill chunk's rows agree with no narrower call's: the backend may take its wide GEMM.
     const GemmRows gemm_rows = n > p_.max_verify_rows ? GemmRows::Wide : GemmRows::Uniform;
     auto ops = [&] {
-        backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get());
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
         // Folded (folded_): the norms' weights are in the q/k/v and gate/up weights, those GEMMs norm x_ (GemmFuse's
@@ -269,18 +268,19 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         // add into x_. Else each layer's input norm is fused with the residual add that ends the layer before it.
         // Where the norming op takes its rows' sums of squares from the producer (Backend::reads_norm_stats),
         // the residual-adding GEMM before it leaves them in ss_ (GemmFuse::ss_out / ss_in: o_proj's feed gate/up,
-        // down's the next layer's q/k/v); the first layer's x_ comes from embed, without them, and the last
-        // down's would have no reader (the final norm kernel sums its rows itself). A prefill chunk (Wide)
-        // takes none: the wide GEMMs norm x themselves and would never read them.
+        // down's the next layer's q/k/v, embed's the first layer's); the last down's would have no reader (the
+        // final norm kernel sums its rows itself). A prefill chunk (Wide) takes none: the wide GEMMs norm x
+        // themselves and would never read them.
         float *ss = gemm_rows == GemmRows::Wide ? nullptr : ss_.as<float>();
         float *ss_qkv = folded_ && backend_->reads_norm_stats(Backend::NormOp::Gemm) ? ss : nullptr;
         float *ss_mlp = folded_ && backend_->reads_norm_stats(Backend::NormOp::SwiGLU) ? ss : nullptr;
         const GemmFuse to_mlp{0.f, true, nullptr, ss_mlp}, to_qkv{0.f, true, nullptr, ss_qkv};
+        backend_->embed(d_tokens, n, weights_->view("embed_tokens.weight"), 1.f, x_.get(), ss_qkv);
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
             backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
-                           GemmFuse{folded_ ? eps : 0.f, false, l > 0 ? ss_qkv : nullptr, nullptr});
+                           GemmFuse{folded_ ? eps : 0.f, false, ss_qkv, nullptr});
             keys.k_cache = k_cache_[size_t(l)].get();
             keys.v_cache = v_cache_[size_t(l)].get();
             const Backend::RopeArgs rope{qkv_.get(), ldq, act(qkv_, q_width_), ldq, qk_norm ? &layer.q_norm : nullptr,

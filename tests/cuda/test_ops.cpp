@@ -487,10 +487,12 @@ public:
         h_->convert_rows(src, dt, false, n, width, y.data());
         put(dst, y, "convert_rows");
     }
-    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out) override {
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out) override {
         std::vector<float> y(static_cast<size_t>(n * table.cols));
         h_->embed(tokens, n, table, scale, y.data());
         put(out, y, "embed");
+        if (ss_out)  // of the stored (bf16-rounded) values, as the cuda kernel sums them
+            sum_square_parts(get(out, y.size()).data(), n, table.cols, table.cols, ss_out);
     }
     void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
                   WeightView w, float eps, void *y, int64_t ld_y) override {
@@ -682,15 +684,25 @@ void test_convert_rows() {
 // embed
 // ----------------------------------------------------------------------------------------------
 
+// GemmFuse's row statistics of x[m, k] (bf16-exact values): each row's sum of squares per 16 columns.
+std::vector<float> sq_parts(const std::vector<float> &x, int64_t m, int64_t k) {
+    std::vector<float> out(size_t(m * ss_parts(k)));
+    sum_square_parts(x.data(), m, k, k, out.data());
+    return out;
+}
+
 void test_embed() {
     Group g("embed");
     if (!g.enabled()) return;
     struct Shape { int64_t n, vocab, hidden; float scale; };
     std::vector<Shape> shapes = {{1, 1000, 64, 1.f}, {17, 1000, 1024, 0.125f},
-                                 {97, 5000, 4096, 8.f}, {16, 1000, 1024, std::sqrt(1024.f) * 0.7f}};
+                                 {97, 5000, 4096, 8.f}, {16, 1000, 1024, std::sqrt(1024.f) * 0.7f},
+                                 {5, 300, 100, 0.5f}};  // H not a multiple of 16: a short last part
     if (g_opt.level == SMOKE) shapes = {{17, 1000, 1024, 0.125f}};
     for (const Shape &s : shapes)
-        g.run(cat("n=", s.n, " vocab=", s.vocab, " H=", s.hidden, " scale=", s.scale), [&](Case &c) {
+      for (bool stats : {false, true})  // stats: with the rows' sums of squares (ss_out), the folded q/k/v's input
+        g.run(cat("n=", s.n, " vocab=", s.vocab, " H=", s.hidden, " scale=", s.scale, stats ? " ss_out" : ""),
+              [&](Case &c) {
             const std::vector<float> table = c.rng.bf16_normal(size_t(s.vocab * s.hidden));
             std::vector<int32_t> tokens(size_t(s.n));
             for (auto &t : tokens) t = int32_t(c.rng.index(s.vocab));
@@ -702,11 +714,15 @@ void test_embed() {
             const size_t count = size_t(s.n * s.hidden);
             DeviceBuffer out_h = poisoned(*H, count * act_size(*H));
             DeviceBuffer out_c = poisoned(*C, count * act_size(*C));
+            const size_t n_ss = size_t(s.n * ss_parts(s.hidden));
+            DeviceBuffer ss_c = poisoned(*C, (stats ? n_ss : 1) * sizeof(float));
             H->embed(tok_h.as<int32_t>(), s.n, w_h.view, s.scale, out_h.get());
-            C->embed(tok_c.as<int32_t>(), s.n, w_c.view, s.scale, out_c.get());
+            C->embed(tok_c.as<int32_t>(), s.n, w_c.view, s.scale, out_c.get(), stats ? ss_c.as<float>() : nullptr);
             sync(*C);
-            c.close("out", download_act(*C, out_c.get(), count), download_act(*H, out_h.get(), count),
-                    kTolBf16);
+            const std::vector<float> out_cuda = download_act(*C, out_c.get(), count);
+            c.close("out", out_cuda, download_act(*H, out_h.get(), count), kTolBf16);
+            if (stats)  // the sums of squares of what cuda stored, in fp32
+                c.close("ss_out", download_vec<float>(*C, ss_c.get(), n_ss), sq_parts(out_cuda, s.n, s.hidden), 1e-5);
         });
 }
 
@@ -924,13 +940,6 @@ void test_head_norm_rope() {
 // ----------------------------------------------------------------------------------------------
 // gemm
 // ----------------------------------------------------------------------------------------------
-
-// GemmFuse's row statistics of x[m, k] (bf16-exact values): each row's sum of squares per 16 columns.
-std::vector<float> sq_parts(const std::vector<float> &x, int64_t m, int64_t k) {
-    std::vector<float> out(size_t(m * ss_parts(k)));
-    sum_square_parts(x.data(), m, k, k, out.data());
-    return out;
-}
 
 void test_gemm() {
     Group g("gemm");

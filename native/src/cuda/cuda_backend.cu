@@ -161,8 +161,8 @@ public:
         for (int64_t i = 0; i < count; ++i) rows[size_t(i)] = float_to_bf16(load_as_float(src, src_dtype, i));
         upload(dst, rows.data(), rows.size() * sizeof(uint16_t));
     }
-    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out) override {
-        cuda::embed(tokens, n, weight_data(table, "embed"), table.cols, scale, as_bf16(out), stream_);
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out) override {
+        cuda::embed(tokens, n, weight_data(table, "embed"), table.cols, scale, as_bf16(out), stream_, ss_out);
     }
     void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
                   WeightView w, float eps, void *y, int64_t ld_y) override {

@@ -28,6 +28,26 @@ __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table
         out[row * H + c] = to_bf16(to_float(src[c]) * scale);
 }
 
+// embed_kernel with the stored rows' sums of squares (GemmFuse::ss_out's parts, as row_sq_parts sums them): one
+// thread per (row, 16 columns), which it stores, then sums their stored values' squares in column order.
+__global__ void embed_sq_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale,
+                                bf16 *out, float *ss_out) {
+    pdl_prologue();
+    const int64_t parts = ss_parts(H);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * parts;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t row = i / parts, c0 = i % parts * 16;
+        const bf16 *src = table + int64_t(tokens[row]) * H;
+        float sq = 0.f;
+        for (int64_t c = c0; c < H && c < c0 + 16; ++c) {
+            const bf16 v = to_bf16(to_float(src[c]) * scale);
+            out[row * H + c] = v;
+            sq += to_float(v) * to_float(v);
+        }
+        ss_out[i] = sq;
+    }
+}
+
 __global__ void add_kernel(bf16 *y, const bf16 *x, int64_t n) {
     pdl_prologue();
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -109,8 +129,14 @@ void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cuda
 }
 
 void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
-           cudaStream_t s) {
+           cudaStream_t s, float *ss_out) {
     if (n == 0) return;
+    if (ss_out) {
+        const int64_t parts = n * ss_parts(H);
+        launch(embed_sq_kernel, unsigned(std::min<int64_t>((parts + kThreads - 1) / kThreads, 4096)), kThreads, 0, s,
+               tokens, n, table, H, scale, out, ss_out);
+        return;
+    }
     const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(n));
     launch(embed_kernel, grid, kThreads, 0, s, tokens, n, table, H, scale, out);
 }

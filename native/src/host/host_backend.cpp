@@ -69,12 +69,13 @@ public:
     }
 
     void embed(const int32_t *tokens, int64_t n, WeightView table, float scale,
-               void *out) override {
+               void *out, float *ss_out) override {
         float *y = static_cast<float *>(out);
         for (int64_t i = 0; i < n; ++i) {
             load_row(table, tokens[i], y + i * table.cols);
             for (int64_t c = 0; c < table.cols; ++c) y[i * table.cols + c] *= scale;
         }
+        if (ss_out) sum_square_parts(y, n, table.cols, table.cols, ss_out);
     }
 
     void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
