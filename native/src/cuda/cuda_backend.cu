@@ -206,6 +206,9 @@ public:
     // 0.981x, verify 0.967x, propose 8B 0.985x, 4B 0.989x the time; mask 1: decode 0.975x, verify 0.975x): the
     // kNorm kernels cost more than a norm kernel before the plain ones (at 16 rows the plain q/k/v streams x in
     // its ring, the kNorm one lost with it, session 24; the persistent gate/up took 4 (1 row) to 8.6 us (16 rows) more per layer).
+    // Session 48 on the H100, under RingTma (DFLASH_GEMM_X_RING=95) and with the drafter folding like the target,
+    // against the default: 3 made verify 1.008x, decode 1.006x, the proposes 1.003-1.022x the time; 1 verify
+    // 0.996x / 1.003x (two runs), decode 0.995x / 0.994x, the 4B propose 1.006x / 1.008x, 8B 1.017x / 1.008x.
     static constexpr int kFoldGemm = 1, kFoldSwiGLU = 2;
     static bool fold_norm_in(int op) {
         static const EnvInt mask = env_int("DFLASH_GEMM_FOLD_NORM", 0, 0, 3);
