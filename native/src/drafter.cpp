@@ -532,11 +532,9 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
             const bool one_gemm = !fused_qkv_.empty();
             const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
             void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
-            if (fold_input_) {  // (one_gemm)
-                backend_->gemm(x_.get(), width, H, layer.qkv_proj, q_.get(), ldq, GemmRows::Uniform,
-                               GemmFuse{eps, false, ss_qkv, nullptr});
-            } else if (one_gemm) {
-                backend_->gemm(xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq);
+            if (one_gemm) {  // fold_input_ implies one_gemm (finalize); ss_qkv is null without it
+                backend_->gemm(fold_input_ ? x_.get() : xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq,
+                               GemmRows::Uniform, GemmFuse{fold_input_ ? eps : 0.f, false, ss_qkv, nullptr});
             } else {
                 backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
                 backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
