@@ -242,9 +242,9 @@ def test_cuda_speculative_equals_cuda_autoregressive_norms_inside_gemms():
 def test_cuda_drafter_with_norms_inside_gemms_matches_host():
     """The drafter's proposes against the host backend's with every folded norm inside its GEMM
     (DFLASH_GEMM_FOLD_NORM=3): the input norms then go into the fused q/k/v weights and hidden_norm into the
-    context's K/V weight, those GEMMs norming x with the sums of squares of the down or fc before them (session 48). The lossless cases cannot see a wrong drafter (it only
-    costs acceptance), so this compares its hidden states and drafts: the 6 cases of
-    test_drafter_propose_cuda_matches_host in a process of their own."""
+    context's K/V weight, those GEMMs norming x with the sums of squares of the down or fc before them (session
+    48). The lossless cases cannot see a wrong drafter (it only costs acceptance), so this compares its hidden
+    states and drafts: the 6 cases of test_drafter_propose_cuda_matches_host in a process of their own."""
     if SHARED_GPU:
         pytest.skip("numeric only; the sanitizer stage covers test_ops' gemm_fused cases")
     _tests_in_a_process({"DFLASH_GEMM_FOLD_NORM": "3"}, "drafter_propose_cuda_matches_host", 6)

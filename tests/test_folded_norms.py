@@ -3,8 +3,8 @@
 The cuda backend folds unless DFLASH_FUSED_NORM=0 (on by default since session 15): the target's input
 and post-attention RMSNorms go into its q/k/v and gate/up weights, the drafter's post-attention norm into its
 gate/up weight (and its input norm into its fused q/k/v weight, hidden_norm into the context's K/V weight, where
-those GEMMs take the sums of squares from the GEMM before: DFLASH_GEMM_FOLD_NORM's bit 1 on cuda), the GEMMs norm their rows themselves, and o_proj / down add into
-the residual stream.
+those GEMMs take the sums of squares from the GEMM before: DFLASH_GEMM_FOLD_NORM's bit 1 on cuda), the GEMMs norm
+their rows themselves, and o_proj / down add into the residual stream.
 DFLASH_HOST_FOLD=1 (read at each finalize) makes the host backend do the same, so these tests cover the models'
 side of it with float32 checkpoints (folding a bf16 weight rounds each product to bf16, which the reference
 tolerances here are too tight for; the cuda suite compares bf16 folding against the host): speculative output

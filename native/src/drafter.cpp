@@ -219,7 +219,8 @@ void Drafter::finalize() {
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
         step(b, (4 * g + 2 * c + 2) * sizeof(int32_t)),
         probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
-        ss(fold ? b : nullptr, fold ? (fold_input ? std::max(g, c) : g) * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
+        ss(fold ? b : nullptr,
+           fold ? (fold_input ? std::max(g, c) : g) * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
     // Commit.
     fused_kv_ = std::move(fused_kv);

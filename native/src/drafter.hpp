@@ -150,7 +150,7 @@ private:
     std::shared_ptr<const SharedHead> shared_;
     bool finalized_ = false;
     bool folded_ = false;  // post-attention norms folded into the gate/up weights (Backend::folds_norms)
-    bool fold_input_ = false;  // input norms in the q/k/v weights, hidden_norm in fused_kv's: normed by the GEMM (finalize)
+    bool fold_input_ = false;  // input norms in the q/k/v weights, hidden_norm in fused_kv's (see finalize)
 
     // built by finalize
     WeightStore::Tensor fused_kv_;                    // [L*2*kv, H]: K0, V0, K1, V1, ...

@@ -54,10 +54,10 @@ int64_t wave_slots(bool tiled) {
 // the 4B propose 2.8% and the ctx-8192 propose 3.5% faster, decode 1.3% slower (early stays for one row; session
 // 12 on the H200: late had made verify and propose about 2% faster than early, decode 2% slower).
 // DFLASH_PDL_TRIGGER=fit (session 47; session 48 on the H100, gemm_chain_bench's 16-row chain, 2 rounds: 8B shapes
-// 0.999x, 4B 1.005x the time of auto, so not the default; an A/B switch for the H200): early wherever the launch's `blocks` fit one wave of its
-// layout (wave_slots(tiled)), where no block of its own waits for a slot an early dependent could take, else
-// auto's choice. A function of M and the launch's shape, and it only moves when the next kernel's blocks are
-// scheduled, never what they read: a row's sums never depend on it. Read once.
+// 0.999x, 4B 1.005x the time of auto, so not the default; an A/B switch for the H200): early wherever the
+// launch's `blocks` fit one wave of its layout (wave_slots(tiled)), where no block of its own waits for a slot an
+// early dependent could take, else auto's choice. A function of M and the launch's shape, and it only moves when
+// the next kernel's blocks are scheduled, never what they read: a row's sums never depend on it. Read once.
 int pdl_trigger(int64_t M, int64_t blocks, bool tiled) {
     static const int mode = [] {  // -1 auto, -3 fit, else a PdlTrigger; -2 a bad value
         const char *v = std::getenv("DFLASH_PDL_TRIGGER");
