@@ -116,7 +116,9 @@ public:
         staging_used_ = 0;  // the stream has passed every staged upload
     }
     void copy(void *dst, const void *src, size_t bytes) override {
-        if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+        if (!bytes) return;
+        step_timer_.on_copy(stream_);  // DFLASH_STEP_TIMING: appended rows may be a step's first op
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
     }
     void synchronize() override {
         DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -153,6 +155,7 @@ public:
                       int64_t width, void *dst) override {
         const int64_t count = n * width;
         if (src_on_device) {
+            step_timer_.on_copy(stream_);  // DFLASH_STEP_TIMING: appended rows may be a step's first op
             cuda::convert(src, src_dtype, count, as_bf16(dst), stream_);
             return;
         }

@@ -14,6 +14,12 @@
 //   gpu   pre-launch -> launched the graph's span: its start latency on the GPU and its kernels
 //   gpu   launched -> copied     what runs after the graph and the download's copy (a target step launches its
 //                                lm_head, argmax and acceptance kernels eagerly after its graph: about 0.4 ms at 8B)
+//   host  result -> first op     the host's time from the last step's result (its download returned) to this
+//                                step's first copy or upload: the caller's code (Python, the bench loop) and
+//                                the library's own before it
+//   host  first copy -> entry    where the step's first op was a device-to-device copy (a propose after
+//                                append_context_device), the host's time from that copy to the first upload
+//   gpu   first copy -> entry    the GPU's time over the same span: the copy, then waiting for the host
 // Steps without a graph (eager launches) print only their entry -> copied span. Nothing is recorded when the
 // switch is off.
 #pragma once
@@ -49,6 +55,19 @@ public:
         launched_ = false;
         host_entry_ = now();
         cudaEventRecord(events_[kEntry], s);
+        first_op(host_entry_);
+        if (copied_first_) {
+            add(8, us(host_copy_, host_entry_));
+            gpu_copy_pending_ = true;
+        }
+    }
+    // A device-to-device copy before the step's first upload (append_context_device's rows) marks the first op.
+    void on_copy(cudaStream_t s) {
+        if (!enabled() || open_ || !ready() || copied_first_ || !done_seen_) return;
+        copied_first_ = true;
+        host_copy_ = now();
+        first_op(host_copy_);
+        cudaEventRecord(events_[kFirstCopy], s);
     }
     void before_launch(cudaStream_t s) {
         if (!open_) return;
@@ -74,6 +93,9 @@ public:
     void on_download_done() {
         if (!open_) return;
         open_ = false;
+        host_done_ = now();
+        done_seen_ = true;
+        first_op_seen_ = copied_first_ = false;
         if (cudaEventSynchronize(events_[kCopied]) != cudaSuccess) {
             (void)cudaGetLastError();
             return;
@@ -88,12 +110,14 @@ public:
         } else {
             add(6, gpu_ms(kEntry, kCopied) * 1e3);
         }
+        if (gpu_copy_pending_) add(9, gpu_ms(kFirstCopy, kEntry) * 1e3);
+        gpu_copy_pending_ = false;
         launch_us_ = 0;
     }
 
 private:
-    enum { kEntry, kPre, kPost, kCopied, kEvents };
-    static constexpr int kSpans = 7;  // the report's rows (report()'s names)
+    enum { kEntry, kPre, kPost, kCopied, kFirstCopy, kEvents };
+    static constexpr int kSpans = 10;  // the report's rows (report()'s names)
     using Clock = std::chrono::steady_clock;
     static Clock::time_point now() { return Clock::now(); }
     static double us(Clock::time_point a, Clock::time_point b) {
@@ -119,10 +143,18 @@ private:
         return double(ms);
     }
     void add(int what, double v) { samples_[what].push_back(v); }
+    // The step's first op (copy or upload) closes the host's span since the last step's result.
+    void first_op(Clock::time_point t) {
+        if (first_op_seen_ || !done_seen_) return;
+        first_op_seen_ = true;
+        add(7, us(host_done_, t));
+    }
     void report() {
         static const char *names[kSpans] = {"host  entry -> launch", "host  launch", "host  launch -> download",
                                        "gpu   entry -> pre-launch", "gpu   pre-launch -> launched",
-                                       "gpu   launched -> copied", "gpu   entry -> copied (eager steps)"};
+                                       "gpu   launched -> copied", "gpu   entry -> copied (eager steps)",
+                                       "host  result -> first op", "host  first copy -> entry",
+                                       "gpu   first copy -> entry"};
         for (int i = 0; i < kSpans; ++i) {
             std::vector<double> &v = samples_[i];
             if (v.empty()) continue;
@@ -134,7 +166,8 @@ private:
 
     cudaEvent_t events_[kEvents] = {};
     bool failed_ = false, open_ = false, launched_ = false;
-    Clock::time_point host_entry_, host_first_launch_, host_launch_, host_post_, host_download_;
+    bool done_seen_ = false, first_op_seen_ = false, copied_first_ = false, gpu_copy_pending_ = false;
+    Clock::time_point host_entry_, host_first_launch_, host_launch_, host_post_, host_download_, host_done_, host_copy_;
     double launch_us_ = 0;
     std::vector<double> samples_[kSpans];
 };
