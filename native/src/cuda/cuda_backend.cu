@@ -48,6 +48,11 @@ public:
         cudaError_t err = cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming);
         if (err == cudaSuccess) err = cudaMallocHost(&pinned_, kPinnedBytes);
         if (err == cudaSuccess) err = cudaMallocHost(&staging_, kStagingBytes);
+        // DFLASH_MAPPED_DOWNLOAD=1 (an A/B switch, off by default): a small download's bytes go to pinned_ by a
+        // one-block kernel through its device address (pinned memory is mapped under unified addressing), not by
+        // a device-to-host copy: a kernel after the step's kernels instead of a copy-engine operation.
+        static const bool mapped_download = env_opt_in("DFLASH_MAPPED_DOWNLOAD");
+        if (err == cudaSuccess && mapped_download) err = cudaHostGetDevicePointer(&pinned_device_, pinned_, 0);
         if (err != cudaSuccess) {
             release_all();
             (void)cudaGetLastError();
@@ -102,7 +107,10 @@ public:
     void download(void *dst, const void *src, size_t bytes) override {
         if (!bytes) return;
         if (bytes <= kPinnedBytes) {  // the common case: a few tokens
-            DFLASH_CUDA_CHECK(cudaMemcpyAsync(pinned_, src, bytes, cudaMemcpyDeviceToHost, stream_));
+            if (pinned_device_)  // DFLASH_MAPPED_DOWNLOAD: a kernel writes them to the pinned buffer itself
+                cuda::download_to_host(src, bytes, pinned_device_, stream_);
+            else
+                DFLASH_CUDA_CHECK(cudaMemcpyAsync(pinned_, src, bytes, cudaMemcpyDeviceToHost, stream_));
             step_timer_.on_download_enqueued(stream_);
             DFLASH_CUDA_CHECK(cudaEventRecord(copied_, stream_));
             DFLASH_CUDA_CHECK(cudaEventSynchronize(copied_));
@@ -426,7 +434,7 @@ private:
         if (staging_) cudaFreeHost(staging_);
         if (copied_) cudaEventDestroy(copied_);
         if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
-        pinned_ = staging_ = nullptr;
+        pinned_ = pinned_device_ = staging_ = nullptr;
         copied_ = nullptr;
         stream_ = nullptr;
     }
@@ -439,6 +447,7 @@ private:
     bool owns_stream_ = false;
     cudaEvent_t copied_ = nullptr;
     void *pinned_ = nullptr;
+    void *pinned_device_ = nullptr;  // pinned_'s device address under DFLASH_MAPPED_DOWNLOAD, else null
     void *staging_ = nullptr;
     size_t staging_used_ = 0;
     cuda::StepTimer step_timer_;  // DFLASH_STEP_TIMING=1 only (step_timing.cuh)

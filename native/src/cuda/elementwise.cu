@@ -17,6 +17,19 @@ __global__ void convert_kernel(const T *src, int64_t n, bf16 *dst) {
         dst[i] = to_bf16(to_float(src[i]));
 }
 
+// A small result to mapped pinned host memory (download_to_host): 4-byte words where both ends allow, else bytes.
+// Waits for the kernels before it; lets nothing launch early (the host waits for it next).
+__global__ void to_host_kernel(const unsigned char *src, size_t bytes, unsigned char *host) {
+    pdl_wait();
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(host) | bytes) & 3) == 0) {
+        const uint32_t *s = reinterpret_cast<const uint32_t *>(src);
+        uint32_t *h = reinterpret_cast<uint32_t *>(host);
+        for (size_t i = threadIdx.x; i < bytes / 4; i += blockDim.x) h[i] = s[i];
+    } else {
+        for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) host[i] = src[i];
+    }
+}
+
 // tokens: [n]; table: [V, H]; out: [n, H]
 __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H,
                              float scale, bf16 *out) {
@@ -161,6 +174,12 @@ void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf1
     if (rows * width == 0) return;
     launch(copy_rows_kernel, blocks_for(rows * width), kThreads, 0, s, src, ld_src, rows, width, dst,
            ld_dst);
+}
+
+void download_to_host(const void *src, size_t bytes, void *host_mapped, cudaStream_t s) {
+    if (!bytes) return;
+    launch(to_host_kernel, 1, kThreads, 0, s, static_cast<const unsigned char *>(src), bytes,
+           static_cast<unsigned char *>(host_mapped));
 }
 
 void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
