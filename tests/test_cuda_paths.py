@@ -259,6 +259,15 @@ def test_cuda_speculative_equals_cuda_autoregressive_pdl_trigger_fit():
     _lossless_in_a_process({"DFLASH_PDL_TRIGGER": "fit"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_mapped_download():
+    """The same lossless cases with DFLASH_MAPPED_DOWNLOAD=1 (session 49: a step's result reaches the host through a
+    kernel's stores to mapped pinned memory, not a device-to-host copy): every verify, decode and propose reads its
+    tokens that way, so a stale or torn read would change them."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; memcheck covers the kernel in test_ops-free runs of the other tests")
+    _lossless_in_a_process({"DFLASH_MAPPED_DOWNLOAD": "1"})
+
+
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
                                             ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4"),
                                             ("DFLASH_ATTN_CHUNK", "96")])
