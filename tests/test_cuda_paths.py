@@ -264,7 +264,7 @@ def test_cuda_speculative_equals_cuda_autoregressive_mapped_download():
     kernel's stores to mapped pinned memory, not a device-to-host copy): every verify, decode and propose reads its
     tokens that way, so a stale or torn read would change them."""
     if SHARED_GPU:
-        pytest.skip("numeric only; memcheck covers the kernel in test_ops-free runs of the other tests")
+        pytest.skip("numeric only; a memcheck run with the switch set covers its kernel")
     _lossless_in_a_process({"DFLASH_MAPPED_DOWNLOAD": "1"})
 
 
