@@ -147,8 +147,6 @@ void Target::finalize() {
         step(b, (4 * r + 3 + size_t(blocks_per_seq_)) * sizeof(int32_t)),
         ss(fold ? b : nullptr, fold ? r * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
 
-    PinnedBuffer step_args(b, (3 * r + 1 + size_t(blocks_per_seq_)) * sizeof(int32_t));
-
     fused_ = std::move(fused);
     k_cache_ = std::move(k_cache);
     v_cache_ = std::move(v_cache);
@@ -157,7 +155,6 @@ void Target::finalize() {
     x_ = std::move(x); xn_ = std::move(xn); qkv_ = std::move(qkv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     logits_ = std::move(logits); step_i32_ = std::move(step); ss_ = std::move(ss);
-    step_args_ = std::move(step_args);
     folded_ = fold;
     layers_.clear();
     for (int i = 0; i < L; ++i) {
@@ -225,18 +222,11 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     const float eps = p_.rms_norm_eps;
     const int32_t start = seq.length;
     // Everything that changes from step to step (or from sequence to sequence) goes to the device
-    // in one copy, at offsets that depend on neither, so the kernels below (a graph once
-    // recorded) read it from there: tokens, positions, slots, the key count, the block table. A graphed
-    // forward (at most max_verify_rows rows) writes them to pinned memory for its first op to copy (in the
-    // graph: no upload call); a prefill chunk uploads them.
+    // in one upload, at offsets that depend on neither, so the kernels below (a graph once
+    // recorded) read it from there: tokens, positions, slots, the key count, the block table.
     const size_t R = size_t(max_rows_);
-    const bool graphed = n <= p_.max_verify_rows;
     const std::vector<int32_t> &blocks = seq.table.blocks();
-    if (graphed && step_args_busy_) backend_->synchronize();  // a graphed forward may still read them
-    std::vector<int32_t> eager_args(graphed ? 0 : 3 * R + 1 + blocks.size());
-    int32_t *args = graphed ? step_args_.as<int32_t>() : eager_args.data();
-    const size_t args_words = graphed ? step_args_.bytes() / sizeof(int32_t) : eager_args.size();
-    std::fill(args, args + args_words, 0);
+    std::vector<int32_t> args(3 * R + 1 + blocks.size());
     for (int32_t j = 0; j < n; ++j) {
         const int32_t pos = start + j;
         args[size_t(j)] = tokens[j];
@@ -245,9 +235,9 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
                                   pos % DFLASH_KV_BLOCK_SIZE;
     }
     args[3 * R] = start + n;
-    std::copy(blocks.begin(), blocks.end(), args + 3 * R + 1);
+    std::copy(blocks.begin(), blocks.end(), args.begin() + long(3 * R + 1));
     int32_t *dev = step_i32_.as<int32_t>();
-    if (!graphed) backend_->upload(dev, args, args_words * sizeof(int32_t));
+    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
     const int32_t *d_tokens = dev, *d_pos = dev + R, *d_slots = dev + 2 * R;
 
     PagedKeys keys;
@@ -271,7 +261,6 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
     // A prefill chunk's rows agree with no narrower call's: the backend may take its wide GEMM.
     const GemmRows gemm_rows = n > p_.max_verify_rows ? GemmRows::Wide : GemmRows::Uniform;
     auto ops = [&] {
-        if (graphed) backend_->upload_pinned(dev, args, args_words * sizeof(int32_t));
         const int64_t ldq = qkv_width();  // a row of qkv_: q heads, then k heads, then v heads
         const bool qk_norm = p_.arch == DFLASH_ARCH_QWEN3;
         // Folded (folded_): the norms' weights are in the q/k/v and gate/up weights, those GEMMs norm x_ (GemmFuse's
@@ -322,11 +311,10 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         }
         capture_layer(p_.num_layers - 1, xn_.get());
     };
-    if (!graphed) {  // a prefill chunk: one-off shapes, not worth a graph
+    if (n > p_.max_verify_rows) {  // a prefill chunk: one-off shapes, not worth a graph
         ops();
         return;
     }
-    step_args_busy_ = true;  // until a download (choose_last, verify) has waited for the stream
     ForwardKey key;
     key.rows = n;
     if (dp) {
@@ -352,7 +340,6 @@ int32_t Target::choose_last(const dflash_sampling_params &sampling, int32_t row,
     }
     int32_t token = 0;
     backend_->download(&token, result, sizeof(int32_t));
-    step_args_busy_ = false;
     return token;
 }
 
@@ -456,7 +443,6 @@ std::pair<int32_t, int32_t> Target::verify(TargetSeq &seq, const int32_t *tokens
     }
     int32_t out[2] = {0, 0};
     backend_->download(out, result, sizeof(out));
-    step_args_busy_ = false;
     seq.length += out[0] + 1;  // the anchor and the accepted drafts; the rest is rolled back
     seq.table.shrink(pool_, size_t(ceil_div(seq.length, DFLASH_KV_BLOCK_SIZE)));
     seq.rng_counter += 1;

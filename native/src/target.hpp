@@ -106,11 +106,6 @@ private:
     // tokens [max_rows], positions [max_rows], slots [max_rows], key count [1], the sequence's
     // block table [blocks_per_seq]; then the posterior [max_rows] and the result [2].
     DeviceBuffer step_i32_;
-    // A graphed forward's arguments (step_i32_'s first 3 max_rows + 1 + blocks_per_seq words) as it writes them, in
-    // pinned memory: the graph's first op copies them (Backend::upload_pinned), so the step makes no upload call.
-    // Eager forwards (prefill chunks, several before one download) upload through the backend's staging instead.
-    PinnedBuffer step_args_;
-    bool step_args_busy_ = false;  // a graphed forward that reads step_args_ may still run (no download since)
     DeviceBuffer ss_;  // folded_: the rows' sums of squares between GEMMs (GemmFuse::ss_out / ss_in)
     int32_t *step_table() const { return step_i32_.as<int32_t>() + 3 * max_rows_ + 1; }
     int32_t *step_posterior() const { return step_table() + blocks_per_seq_; }
