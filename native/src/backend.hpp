@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <new>
 
 #include "common.hpp"
 #include "philox.hpp"
@@ -130,19 +129,6 @@ inline void sum_square_parts(const float *y, int64_t m, int64_t n, int64_t ldy, 
         }
 }
 
-// Key positions a step's first kernel writes into a sequence's ring of them (PagedKeys::slot_positions), so the
-// step needs no upload of its own for them: ring[(first + i) % ring_slots] = args[2 + i] for i < count, where
-// first = args[0] and count = args[1] are read on the device (a graph's replays read them anew). Where count
-// exceeds ring_slots only the last ring_slots are written (as a loop over i in order would leave the ring).
-struct PositionStamp {
-    int32_t *ring = nullptr;
-    const int32_t *args = nullptr;
-    int64_t ring_slots = 0;
-};
-DFLASH_HOST_DEVICE inline int32_t stamp_begin(int32_t count, int64_t ring_slots) {
-    return count > ring_slots ? int32_t(count - ring_slots) : 0;
-}
-
 // A captured sequence of ops (a CUDA graph), replayed with the pointers and host-side values it
 // was captured with: whatever changes between replays must live in device memory.
 class Graph {
@@ -174,18 +160,6 @@ public:
     virtual void *alloc(size_t bytes) = 0;
     virtual void release(void *ptr) noexcept = 0;
     virtual void upload(void *dst, const void *host_src, size_t bytes) = 0;
-    // Page-locked host memory (cuda: cudaMallocHost; elsewhere plain memory), the source of upload_pinned.
-    // alloc_pinned throws Error(OUT_OF_MEMORY); release_pinned accepts nullptr.
-    virtual void *alloc_pinned(size_t bytes) {
-        void *p = ::operator new(bytes, std::nothrow);
-        if (!p) fail(DFLASH_STATUS_OUT_OF_MEMORY, "allocating ", bytes, " bytes of host memory failed");
-        return p;
-    }
-    virtual void release_pinned(void *ptr) noexcept { ::operator delete(ptr); }
-    // dst (device) = pinned_src[bytes] (from alloc_pinned) when the stream gets there. Unlike upload it may be
-    // recorded into a graph, whose replays then read pinned_src anew: the caller writes a step's arguments there
-    // and must not touch them while a step that reads them may still run.
-    virtual void upload_pinned(void *dst, const void *pinned_src, size_t bytes) { upload(dst, pinned_src, bytes); }
     virtual void download(void *host_dst, const void *src, size_t bytes) = 0;  // waits
     virtual void copy(void *dst, const void *src, size_t bytes) = 0;
     virtual void synchronize() = 0;
@@ -206,9 +180,8 @@ public:
                               int64_t n, int64_t width, void *dst) = 0;
     // out[n, H] = table[tokens[i]] * scale.  tokens: [n] int32 device. ss_out (non-null): the rows' sums of
     // squares of the stored out, as GemmFuse::ss_out ([n, ss_parts(H)]), for a first GEMM that norms out itself.
-    // stamp (stamp.ring non-null): the step's key positions into their ring as well (PositionStamp).
     virtual void embed(const int32_t *tokens, int64_t n, WeightView table, float scale,
-                       void *out, float *ss_out = nullptr, PositionStamp stamp = {}) = 0;
+                       void *out, float *ss_out = nullptr) = 0;
     // y[r, g, :] = x[r, g, :] / rms(x[r, g, :]) * w, for `groups` vectors of `dim` per row;
     // rows are ld_x / ld_y elements apart. y may alias x.
     virtual void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
@@ -377,19 +350,16 @@ int cuda_device_count();  // throws like make_cuda_backend
 bool cuda_compiled();
 const char *cuda_arch_list();
 
-// RAII owner of one backend allocation: device memory (DeviceBuffer) or pinned host memory (PinnedBuffer).
-template <bool Pinned>
-class BackendBuffer {
+// RAII owner of one backend allocation.
+class DeviceBuffer {
 public:
-    BackendBuffer() = default;
-    BackendBuffer(Backend *backend, size_t bytes)
-        : backend_(backend),
-          ptr_(!bytes ? nullptr : Pinned ? backend->alloc_pinned(bytes) : backend->alloc(bytes)),
-          bytes_(bytes) {}
-    BackendBuffer(const BackendBuffer &) = delete;
-    BackendBuffer &operator=(const BackendBuffer &) = delete;
-    BackendBuffer(BackendBuffer &&o) noexcept { *this = std::move(o); }
-    BackendBuffer &operator=(BackendBuffer &&o) noexcept {
+    DeviceBuffer() = default;
+    DeviceBuffer(Backend *backend, size_t bytes)
+        : backend_(backend), ptr_(bytes ? backend->alloc(bytes) : nullptr), bytes_(bytes) {}
+    DeviceBuffer(const DeviceBuffer &) = delete;
+    DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+    DeviceBuffer(DeviceBuffer &&o) noexcept { *this = std::move(o); }
+    DeviceBuffer &operator=(DeviceBuffer &&o) noexcept {
         if (this != &o) {
             reset();
             backend_ = o.backend_;
@@ -400,15 +370,10 @@ public:
         }
         return *this;
     }
-    ~BackendBuffer() { reset(); }
+    ~DeviceBuffer() { reset(); }
 
     void reset() {
-        if (ptr_) {
-            if constexpr (Pinned)
-                backend_->release_pinned(ptr_);
-            else
-                backend_->release(ptr_);
-        }
+        if (ptr_) backend_->release(ptr_);
         ptr_ = nullptr;
         bytes_ = 0;
     }
@@ -422,7 +387,5 @@ private:
     void *ptr_ = nullptr;
     size_t bytes_ = 0;
 };
-using DeviceBuffer = BackendBuffer<false>;
-using PinnedBuffer = BackendBuffer<true>;
 
 }  // namespace dflash

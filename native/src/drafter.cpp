@@ -205,7 +205,6 @@ void Drafter::finalize() {
         k_cache.emplace_back(backend_.get(), cache_bytes);
         v_cache.emplace_back(backend_.get(), cache_bytes);
     }
-    PinnedBuffer step_args(backend_.get(), step_words() * sizeof(int32_t));
     DeviceBuffer inv_freq(backend_.get(), rope_.inv_freq.size() * sizeof(float));
     backend_->upload(inv_freq.get(), rope_.inv_freq.data(), inv_freq.bytes());
 
@@ -218,7 +217,7 @@ void Drafter::finalize() {
         kv(fuse_qkv ? nullptr : b, fuse_qkv ? 0 : g * 2 * size_t(kv_width_) * a), attn(b, g * size_t(q_width_) * a),
         gu(b, g * 2 * I * a), mlp(b, g * I * a), ctx_h(b, c * H * a),
         ctx_kv(b, c * size_t(fused_kv_width_) * a),
-        step(b, step_words() * sizeof(int32_t)),
+        step(b, (4 * g + 2 * c + 2) * sizeof(int32_t)),
         probs(b, g * size_t(p_.vocab_size) * sizeof(float)),
         ss(fold ? b : nullptr,
            fold ? (fold_input ? std::max(g, c) : g) * size_t(ss_parts(p_.hidden_size)) * sizeof(float) : 0);
@@ -233,7 +232,6 @@ void Drafter::finalize() {
     x_ = std::move(x); xn_ = std::move(xn); q_ = std::move(q); kv_ = std::move(kv);
     attn_ = std::move(attn); gate_up_ = std::move(gu); mlp_ = std::move(mlp);
     ctx_h_ = std::move(ctx_h); ctx_kv_ = std::move(ctx_kv); step_i32_ = std::move(step);
-    step_args_ = std::move(step_args);
     probs_ = std::move(probs);
     ss_ = std::move(ss);
     folded_ = fold;
@@ -483,17 +481,14 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                                   ? std::min<int64_t>(chunk_rows_, (pending + 15) / 16 * 16)
                                   : pending;
     const size_t num_keys_at = size_t(4 * gamma_ + 2 * chunk_rows_);
-    // Step arguments in one copy, the block's first op (before any kernel: a copy between kernels would stall
-    // the programmatic overlap of the two), step_i32_'s layout whole: tokens, query positions and noise slots
+    // Step arguments in one upload, before any kernel (an upload between kernels would stall the
+    // programmatic overlap of the two), step_i32_'s layout whole: tokens, query positions and noise slots
     // of the block, the pending context rows' positions and slots, the drafts' place (written by the
-    // kernels), the key count (read by the graphed kernels), the fresh keys, and the fresh keys' positions for
-    // embed to stamp into the sequence's ring (PositionStamp). Written to pinned memory, from which the copy
-    // (recorded in the graph) reads them: no upload call, and the ring needs none either.
-    if (step_args_busy_) backend_->synchronize();  // a propose that threw may still read them
-    int32_t *args = step_args_.as<int32_t>();
-    std::fill(args, args + step_words(), 0);
-    int32_t *tokens = args, *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
-    if (pending) pending_args(seq, args + 3 * gamma_);
+    // kernels), the key count (read by the graphed kernels); the slot positions of both (one contiguous
+    // ring range) in a second.
+    std::vector<int32_t> args(num_keys_at + 2, 0);
+    int32_t *tokens = args.data(), *q_pos = tokens + gamma_, *slots = q_pos + gamma_;
+    if (pending) pending_args(seq, args.data() + 3 * gamma_);
     for (int64_t i = pending; i < projected; ++i) args[size_t(3 * gamma_ + chunk_rows_ + i)] = -1;  // padding
     for (int32_t j = 0; j < width; ++j) {
         tokens[j] = j == 0 ? last_token : p_.mask_token_id;
@@ -515,25 +510,20 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     keys.fresh_keys = pending + width;
     args[num_keys_at + 1] = int32_t(keys.fresh_keys);
     if (graphed) keys.num_keys_device = dev + num_keys_at, keys.fresh_keys_device = dev + num_keys_at + 1;
-    int32_t *stamp = args + stamp_at();  // the fresh keys' ring range and positions (pending rows', then the block's)
-    stamp[0] = int32_t(seq.cached % ring_slots_);
-    stamp[1] = int32_t(pending + width);
-    std::copy(seq.pending_positions.begin(), seq.pending_positions.end(), stamp + 2);
-    std::copy(q_pos, q_pos + width, stamp + 2 + pending);
-    const PositionStamp stamp_keys{seq.slot_positions_dev.as<int32_t>(), dev + stamp_at(), ring_slots_};
+    upload_slot_positions(seq, seq.cached, pending + width);
+    backend_->upload(dev, args.data(), args.size() * sizeof(int32_t));
     const void *features = seq.features.get();
     const int32_t *d_tokens = dev, *d_q_pos = dev + gamma_, *d_slots = dev + 2 * gamma_;
     int32_t *d_drafts = dev + 3 * gamma_ + 2 * chunk_rows_;
 
     auto block = [&] {
-        backend_->upload_pinned(dev, args, step_words() * sizeof(int32_t));
         if (projected) enqueue_projection(features, projected);  // the pending context rows into the caches
         const int64_t kv2 = 2 * kv_width_;
         // Each layer's input norm is fused with the residual add that ends the layer before it, or (fold_input_)
         // taken by the q/k/v GEMM itself from x_, with the sums of squares of the down before it (layer 0's from
         // embed).
         float *ss_qkv = fold_input_ ? ss_.as<float>() : nullptr;
-        backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale, x_.get(), ss_qkv, stamp_keys);
+        backend_->embed(d_tokens, width, embed(), p_.input_embedding_scale, x_.get(), ss_qkv);
         if (!fold_input_) backend_->rms_norm(x_.get(), width, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[l];
@@ -590,7 +580,6 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
                                     p_.final_logit_softcapping, d_drafts);
         }
     };
-    step_args_busy_ = true;
     if (graphed) {
         if (graphs_.run(*backend_,
                         ProposeKey{width, int32_t(projected), features, keys.block_table, keys.slot_positions},
@@ -602,7 +591,6 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
     seq.cached += pending;  // projected by the block
     seq.pending_positions.clear();
     backend_->download(out_tokens, d_drafts, size_t(width - 1) * sizeof(int32_t));
-    step_args_busy_ = false;  // the download waited for the stream
 
     seq.rng_counter += 1;
     seq.awaiting_verify = true;

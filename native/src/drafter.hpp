@@ -166,16 +166,8 @@ private:
     DeviceBuffer x_, xn_, q_, kv_, attn_, gate_up_, mlp_, ctx_h_, ctx_kv_;
     DeviceBuffer ss_;  // folded_: rows' sums of squares, o_proj to gate/up, down to q/k/v, fc to fused_kv (GemmFuse)
     // tokens [gamma], q positions [gamma], noise slots [gamma], ctx positions [chunk_rows], ctx slots
-    // [chunk_rows], drafts [gamma], the block's key count [1], its fresh keys [1], then the PositionStamp of the
-    // fresh keys: their first ring index [1], their count [1], their positions [chunk_rows + gamma]
-    // (step_words(); stamp_at())
+    // [chunk_rows], drafts [gamma], the block's key count [1]
     DeviceBuffer step_i32_;
-    // A propose's step_i32_ as it writes it, in pinned memory: the block's first op copies it to step_i32_ (in
-    // the graph, at each replay), so a propose makes no upload call of its own
-    PinnedBuffer step_args_;
-    bool step_args_busy_ = false;  // a propose that reads step_args_ may still run (it threw before its download)
-    size_t stamp_at() const { return size_t(4 * gamma_ + 2 * chunk_rows_ + 2); }
-    size_t step_words() const { return stamp_at() + 2 + size_t(chunk_rows_ + gamma_); }
     GraphCache<ProposeKey> graphs_;  // greedy proposes' blocks (ctx_window 0)
     DeviceBuffer probs_;     // [block_size, vocab] fp32: sampled proposals' q (or logits)
     const DrafterSeq *hidden_owner_ = nullptr;  // whose hidden states xn_ (and q) hold

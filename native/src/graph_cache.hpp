@@ -5,9 +5,8 @@
 // graph and replays it; later calls only replay. A graph is recorded again when the backend's
 // scratch has moved since its capture (scratch_epoch), and a key whose capture failed stays eager.
 // `ops` must read everything that changes between calls from device memory the caller filled
-// before run() (tokens, positions, slots, key counts), or copy it there first from pinned memory the
-// caller filled (Backend::upload_pinned: the graph's copy reads it anew at each replay); the key holds
-// every host-side value and pointer that changes what `ops` enqueue.
+// before run() (tokens, positions, slots, key counts); the key holds every host-side value and
+// pointer that changes what `ops` enqueue.
 #pragma once
 
 #include <cstdint>

@@ -487,10 +487,9 @@ public:
         h_->convert_rows(src, dt, false, n, width, y.data());
         put(dst, y, "convert_rows");
     }
-    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out,
-               PositionStamp stamp) override {
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out) override {
         std::vector<float> y(static_cast<size_t>(n * table.cols));
-        h_->embed(tokens, n, table, scale, y.data(), nullptr, stamp);
+        h_->embed(tokens, n, table, scale, y.data());
         put(out, y, "embed");
         if (ss_out)  // of the stored (bf16-rounded) values, as the cuda kernel sums them
             sum_square_parts(get(out, y.size()).data(), n, table.cols, table.cols, ss_out);
@@ -701,13 +700,8 @@ void test_embed() {
                                  {5, 300, 100, 0.5f}};  // H not a multiple of 16: a short last part
     if (g_opt.level == SMOKE) shapes = {{17, 1000, 1024, 0.125f}};
     for (const Shape &s : shapes)
-      for (int variant = 0; variant < 4; ++variant) {
-        // stats: with the rows' sums of squares (ss_out), the folded q/k/v's input; stamped: with the step's key
-        // positions stamped into a ring (PositionStamp: the drafter's propose), wrapping at odd n, at even n more
-        // positions than the ring holds (only the last ring_slots land)
-        const bool stats = variant & 1, stamped = variant & 2;
-        g.run(cat("n=", s.n, " vocab=", s.vocab, " H=", s.hidden, " scale=", s.scale, stats ? " ss_out" : "",
-                  stamped ? " stamp" : ""),
+      for (bool stats : {false, true})  // stats: with the rows' sums of squares (ss_out), the folded q/k/v's input
+        g.run(cat("n=", s.n, " vocab=", s.vocab, " H=", s.hidden, " scale=", s.scale, stats ? " ss_out" : ""),
               [&](Case &c) {
             const std::vector<float> table = c.rng.bf16_normal(size_t(s.vocab * s.hidden));
             std::vector<int32_t> tokens(size_t(s.n));
@@ -722,32 +716,14 @@ void test_embed() {
             DeviceBuffer out_c = poisoned(*C, count * act_size(*C));
             const size_t n_ss = size_t(s.n * ss_parts(s.hidden));
             DeviceBuffer ss_c = poisoned(*C, (stats ? n_ss : 1) * sizeof(float));
-            const int32_t count_stamped = int32_t(s.n + 3), ring_slots = int32_t(s.n % 2 ? s.n + 7 : s.n);
-            std::vector<int32_t> stamp_args = {ring_slots - 2, count_stamped};
-            for (int32_t i = 0; i < count_stamped; ++i) stamp_args.push_back(1000 + 3 * i);
-            const std::vector<int32_t> ring0(size_t(ring_slots), -7);
-            DeviceBuffer args_h = upload_vec(*H, stamp_args), args_c = upload_vec(*C, stamp_args);
-            DeviceBuffer ring_h = upload_vec(*H, ring0), ring_c = upload_vec(*C, ring0);
-            auto stamp_of = [&](DeviceBuffer &ring, DeviceBuffer &args) {
-                return stamped ? PositionStamp{ring.as<int32_t>(), args.as<int32_t>(), ring_slots} : PositionStamp{};
-            };
-            H->embed(tok_h.as<int32_t>(), s.n, w_h.view, s.scale, out_h.get(), nullptr, stamp_of(ring_h, args_h));
-            C->embed(tok_c.as<int32_t>(), s.n, w_c.view, s.scale, out_c.get(), stats ? ss_c.as<float>() : nullptr,
-                     stamp_of(ring_c, args_c));
+            H->embed(tok_h.as<int32_t>(), s.n, w_h.view, s.scale, out_h.get());
+            C->embed(tok_c.as<int32_t>(), s.n, w_c.view, s.scale, out_c.get(), stats ? ss_c.as<float>() : nullptr);
             sync(*C);
             const std::vector<float> out_cuda = download_act(*C, out_c.get(), count);
             c.close("out", out_cuda, download_act(*H, out_h.get(), count), kTolBf16);
             if (stats)  // the sums of squares of what cuda stored, in fp32
                 c.close("ss_out", download_vec<float>(*C, ss_c.get(), n_ss), sq_parts(out_cuda, s.n, s.hidden), 1e-5);
-            // The ring: as the host stamped it, and (stamped or not) as a loop over the positions in order leaves it.
-            std::vector<int32_t> ring_ref = ring0;
-            for (int32_t i = 0; stamped && i < count_stamped; ++i)
-                ring_ref[size_t((ring_slots - 2 + i) % ring_slots)] = 1000 + 3 * i;
-            const std::vector<int32_t> ring_cuda = download_vec<int32_t>(*C, ring_c.get(), size_t(ring_slots));
-            c.equal("ring", ring_cuda, download_vec<int32_t>(*H, ring_h.get(), size_t(ring_slots)));
-            c.equal("ring (in order)", ring_cuda, ring_ref);
         });
-      }
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -172,27 +172,8 @@ public:
         for (int64_t i = 0; i < count; ++i) rows[size_t(i)] = float_to_bf16(load_as_float(src, src_dtype, i));
         upload(dst, rows.data(), rows.size() * sizeof(uint16_t));
     }
-    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out,
-               PositionStamp stamp) override {
-        cuda::embed(tokens, n, weight_data(table, "embed"), table.cols, scale, as_bf16(out), stream_, ss_out, stamp);
-    }
-    void *alloc_pinned(size_t bytes) override {
-        void *p = nullptr;
-        const cudaError_t err = cudaMallocHost(&p, bytes ? bytes : 1);
-        if (err != cudaSuccess) {
-            (void)cudaGetLastError();
-            fail(DFLASH_STATUS_OUT_OF_MEMORY, "cudaMallocHost of ", bytes, " bytes failed: ", cudaGetErrorName(err));
-        }
-        return p;
-    }
-    void release_pinned(void *ptr) noexcept override {
-        if (ptr) cudaFreeHost(ptr);
-    }
-    // A copy from pinned memory needs no staging, and a graph may record it (its replays read src anew).
-    void upload_pinned(void *dst, const void *src, size_t bytes) override {
-        if (!bytes) return;
-        if (!capturing_) step_timer_.on_upload(stream_);
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    void embed(const int32_t *tokens, int64_t n, WeightView table, float scale, void *out, float *ss_out) override {
+        cuda::embed(tokens, n, weight_data(table, "embed"), table.cols, scale, as_bf16(out), stream_, ss_out);
     }
     void rms_norm(const void *x, int64_t rows, int64_t groups, int64_t dim, int64_t ld_x,
                   WeightView w, float eps, void *y, int64_t ld_y) override {

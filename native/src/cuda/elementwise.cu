@@ -1,8 +1,6 @@
 // elementwise.cu: dtype conversion, embedding gather, residual add, SwiGLU, row copies and the
 // paged KV write. All memory-bound and tiny next to the GEMMs; written for clarity, one thread
 // per element (grid-stride), fp32 math, one bf16 rounding per output.
-#include <algorithm>
-
 #include "ops.cuh"
 
 namespace dflash {
@@ -32,22 +30,11 @@ __global__ void to_host_kernel(const unsigned char *src, size_t bytes, unsigned 
     }
 }
 
-// PositionStamp by the first block of an embed kernel (after its wait: the ring's entries it writes are the step's
-// fresh keys', which no kernel reads before its own wait, and embed precedes every attention of the step).
-__device__ __forceinline__ void stamp_positions(const PositionStamp &stamp, unsigned block) {
-    if (!stamp.ring || block != 0) return;
-    const int32_t first = stamp.args[0], count = stamp.args[1];
-    for (int32_t i = stamp_begin(count, stamp.ring_slots) + int32_t(threadIdx.x); i < count; i += blockDim.x)
-        stamp.ring[(int64_t(first) + i) % stamp.ring_slots] = stamp.args[2 + i];
-}
-
 // tokens: [n]; table: [V, H]; out: [n, H]
 __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H,
-                             float scale, bf16 *out, PositionStamp stamp) {
+                             float scale, bf16 *out) {
     pdl_prologue();
-    stamp_positions(stamp, blockIdx.x + blockIdx.y);
     const int64_t row = blockIdx.y;
-    if (row >= n) return;  // n == 0 with a stamp
     const bf16 *src = table + int64_t(tokens[row]) * H;
     for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < H;
          c += int64_t(gridDim.x) * blockDim.x)
@@ -57,9 +44,8 @@ __global__ void embed_kernel(const int32_t *tokens, int64_t n, const bf16 *table
 // embed_kernel with the stored rows' sums of squares (GemmFuse::ss_out's parts, as row_sq_parts sums them): one
 // thread per (row, 16 columns), which it stores, then sums their stored values' squares in column order.
 __global__ void embed_sq_kernel(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale,
-                                bf16 *out, float *ss_out, PositionStamp stamp) {
+                                bf16 *out, float *ss_out) {
     pdl_prologue();
-    stamp_positions(stamp, blockIdx.x);
     const int64_t parts = ss_parts(H);
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * parts;
          i += int64_t(gridDim.x) * blockDim.x) {
@@ -156,16 +142,16 @@ void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cuda
 }
 
 void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
-           cudaStream_t s, float *ss_out, PositionStamp stamp) {
-    if (n == 0 && !stamp.ring) return;  // (with a stamp, one block stamps and embeds nothing)
+           cudaStream_t s, float *ss_out) {
+    if (n == 0) return;
     if (ss_out) {
         const int64_t parts = n * ss_parts(H);
-        launch(embed_sq_kernel, unsigned(std::clamp<int64_t>((parts + kThreads - 1) / kThreads, 1, 4096)), kThreads,
-               0, s, tokens, n, table, H, scale, out, ss_out, stamp);
+        launch(embed_sq_kernel, unsigned(std::min<int64_t>((parts + kThreads - 1) / kThreads, 4096)), kThreads, 0, s,
+               tokens, n, table, H, scale, out, ss_out);
         return;
     }
-    const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(std::max<int64_t>(n, 1)));
-    launch(embed_kernel, grid, kThreads, 0, s, tokens, n, table, H, scale, out, stamp);
+    const dim3 grid(unsigned(std::min<int64_t>((H + kThreads - 1) / kThreads, 64)), unsigned(n));
+    launch(embed_kernel, grid, kThreads, 0, s, tokens, n, table, H, scale, out);
 }
 
 void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s) {

@@ -15,9 +15,8 @@ namespace cuda {
 void convert(const void *src, dflash_dtype src_dtype, int64_t n, bf16 *dst, cudaStream_t s);
 // out[n, H] = table[tokens[i], :] * scale; table: [V, H] bf16. ss_out (non-null): out's rows' sums of squares
 // per 16 columns (GemmFuse::ss_out's layout, [n, ss_parts(H)]), each summed in column order.
-// stamp: Backend::embed's (PositionStamp), by the first block.
 void embed(const int32_t *tokens, int64_t n, const bf16 *table, int64_t H, float scale, bf16 *out,
-           cudaStream_t s, float *ss_out = nullptr, PositionStamp stamp = {});
+           cudaStream_t s, float *ss_out = nullptr);
 void add(bf16 *y, const bf16 *x, int64_t n, cudaStream_t s);                       // y += x
 void swiglu(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, cudaStream_t s);
 // In place on the row-major w[rows, cols]: w[r, c] = bf16(w[r, c] * g[c]) (Backend::fold_norm).

@@ -2,10 +2,10 @@
 // the GPU (docs/speed-log.md: written for session 37's idle GPU at a step's start; session 38 found verify's host
 // path under 10 us and the graph plus the eager tail the whole step, and that idle time did not reproduce).
 //
-// A step, as the cuda backend sees it, runs from the first upload after a download (its arguments), or its graph
-// launch where the graph uploads them, to the next download (its result). The timer records GPU events with
-// timing at the step's entry, before the first and after the last graph launch of the step, and after the
-// download's copy, and times the host calls between them. At the backend's end it prints the medians over the steps seen (to stderr):
+// A step, as the cuda backend sees it, runs from the first upload after a download (its arguments) to the next
+// download (its result). The timer records GPU events with timing at the step's first upload (entry), before the
+// first and after the last graph launch of the step, and after the download's copy, and times the host calls
+// between them. At the backend's end it prints the medians over the steps seen (to stderr):
 //   host  entry -> launch        the host's time from the step's first upload to its graph launch call
 //   host  launch                 the graph launch calls themselves
 //   host  launch -> download     the host's time from the launch to the download's enqueue
@@ -70,7 +70,6 @@ public:
         cudaEventRecord(events_[kFirstCopy], s);
     }
     void before_launch(cudaStream_t s) {
-        if (!open_) on_upload(s);  // a step whose arguments a graph uploads (Backend::upload_pinned) opens here
         if (!open_) return;
         host_launch_ = now();
         if (!launched_) {

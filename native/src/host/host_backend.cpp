@@ -69,10 +69,7 @@ public:
     }
 
     void embed(const int32_t *tokens, int64_t n, WeightView table, float scale,
-               void *out, float *ss_out, PositionStamp stamp) override {
-        if (stamp.ring)
-            for (int32_t i = stamp_begin(stamp.args[1], stamp.ring_slots); i < stamp.args[1]; ++i)
-                stamp.ring[(stamp.args[0] + i) % stamp.ring_slots] = stamp.args[2 + i];
+               void *out, float *ss_out) override {
         float *y = static_cast<float *>(out);
         for (int64_t i = 0; i < n; ++i) {
             load_row(table, tokens[i], y + i * table.cols);
