@@ -48,11 +48,17 @@ public:
         cudaError_t err = cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming);
         if (err == cudaSuccess) err = cudaMallocHost(&pinned_, kPinnedBytes);
         if (err == cudaSuccess) err = cudaMallocHost(&staging_, kStagingBytes);
-        // DFLASH_MAPPED_DOWNLOAD=1 (an A/B switch, off by default): a small download's bytes go to pinned_ by a
-        // one-block kernel through its device address (pinned memory is mapped under unified addressing), not by
-        // a device-to-host copy: a kernel after the step's kernels instead of a copy-engine operation.
-        static const bool mapped_download = env_opt_in("DFLASH_MAPPED_DOWNLOAD");
-        if (err == cudaSuccess && mapped_download) err = cudaHostGetDevicePointer(&pinned_device_, pinned_, 0);
+        // A small download's bytes go to pinned_ by a one-block kernel through its device address (pinned memory
+        // is mapped under unified addressing), not by a device-to-host copy: a kernel right after the step's
+        // kernels instead of a copy-engine operation. Session 49 on an H100: a propose's result copied 3.8 us after
+        // its graph (p90 3.9) instead of 8.0 (p90 10.7); the steps 0.1-1.4% faster (docs/speed-log.md).
+        // DFLASH_MAPPED_DOWNLOAD=0 takes the copy; so does a device that gives pinned_ no device address.
+        static const bool mapped_download = env_switch_on("DFLASH_MAPPED_DOWNLOAD");
+        if (err == cudaSuccess && mapped_download &&
+            cudaHostGetDevicePointer(&pinned_device_, pinned_, 0) != cudaSuccess) {
+            (void)cudaGetLastError();
+            pinned_device_ = nullptr;
+        }
         if (err != cudaSuccess) {
             release_all();
             (void)cudaGetLastError();
@@ -107,7 +113,7 @@ public:
     void download(void *dst, const void *src, size_t bytes) override {
         if (!bytes) return;
         if (bytes <= kPinnedBytes) {  // the common case: a few tokens
-            if (pinned_device_)  // DFLASH_MAPPED_DOWNLOAD: a kernel writes them to the pinned buffer itself
+            if (pinned_device_)  // a kernel writes them to the pinned buffer itself (DFLASH_MAPPED_DOWNLOAD)
                 cuda::download_to_host(src, bytes, pinned_device_, stream_);
             else
                 DFLASH_CUDA_CHECK(cudaMemcpyAsync(pinned_, src, bytes, cudaMemcpyDeviceToHost, stream_));
@@ -447,7 +453,7 @@ private:
     bool owns_stream_ = false;
     cudaEvent_t copied_ = nullptr;
     void *pinned_ = nullptr;
-    void *pinned_device_ = nullptr;  // pinned_'s device address under DFLASH_MAPPED_DOWNLOAD, else null
+    void *pinned_device_ = nullptr;  // pinned_'s device address (downloads by kernel), or null (by copy)
     void *staging_ = nullptr;
     size_t staging_used_ = 0;
     cuda::StepTimer step_timer_;  // DFLASH_STEP_TIMING=1 only (step_timing.cuh)

@@ -24,7 +24,7 @@ void fold_norm(bf16 *w, int64_t rows, int64_t cols, const bf16 *g, cudaStream_t 
 void copy_rows(const bf16 *src, int64_t ld_src, int64_t rows, int64_t width, bf16 *dst,
                int64_t ld_dst, cudaStream_t s);
 // host_mapped[bytes] = src[bytes] by one block's threads: host_mapped is pinned host memory's device address
-// (CudaBackend::download under DFLASH_MAPPED_DOWNLOAD). After the kernels before it.
+// (CudaBackend::download, unless DFLASH_MAPPED_DOWNLOAD=0). After the kernels before it.
 void download_to_host(const void *src, size_t bytes, void *host_mapped, cudaStream_t s);
 // k/v: [rows, ld] (first kv_width used) -> cache slot rows [slot, kv_width]
 void kv_write(const bf16 *k, const bf16 *v, int64_t rows, int64_t ld, const int32_t *slots,
