@@ -130,9 +130,7 @@ public:
         staging_used_ = 0;  // the stream has passed every staged upload
     }
     void copy(void *dst, const void *src, size_t bytes) override {
-        if (!bytes) return;
-        step_timer_.on_copy(stream_);  // DFLASH_STEP_TIMING: appended rows may be a step's first op
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+        if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
     }
     void synchronize() override {
         DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -17,7 +17,7 @@
 //   host  result -> first op     the host's time from the last step's result (its download returned) to this
 //                                step's first copy or upload: the caller's code (Python, the bench loop) and
 //                                the library's own before it
-//   host  first copy -> entry    where the step's first op was a device-to-device copy (a propose after
+//   host  first copy -> entry    where the step's first op was rows appended from device memory (a propose after
 //                                append_context_device), the host's time from that copy to the first upload
 //   gpu   first copy -> entry    the GPU's time over the same span: the copy, then waiting for the host
 // Steps without a graph (eager launches) print only their entry -> copied span. Nothing is recorded when the
@@ -56,12 +56,10 @@ public:
         host_entry_ = now();
         cudaEventRecord(events_[kEntry], s);
         first_op(host_entry_);
-        if (copied_first_) {
-            add(8, us(host_copy_, host_entry_));
-            gpu_copy_pending_ = true;
-        }
+        if (copied_first_) add(8, us(host_copy_, host_entry_));
     }
-    // A device-to-device copy before the step's first upload (append_context_device's rows) marks the first op.
+    // Rows appended from device memory (append_context_device, convert_rows) before the step's first upload mark
+    // its first op: copied_first_ then holds until the step's download.
     void on_copy(cudaStream_t s) {
         if (!enabled() || open_ || !ready() || copied_first_ || !done_seen_) return;
         copied_first_ = true;
@@ -95,6 +93,7 @@ public:
         open_ = false;
         host_done_ = now();
         done_seen_ = true;
+        const bool copied_first = copied_first_;  // this step began with appended rows (kFirstCopy recorded)
         first_op_seen_ = copied_first_ = false;
         if (cudaEventSynchronize(events_[kCopied]) != cudaSuccess) {
             (void)cudaGetLastError();
@@ -110,8 +109,7 @@ public:
         } else {
             add(6, gpu_ms(kEntry, kCopied) * 1e3);
         }
-        if (gpu_copy_pending_) add(9, gpu_ms(kFirstCopy, kEntry) * 1e3);
-        gpu_copy_pending_ = false;
+        if (copied_first) add(9, gpu_ms(kFirstCopy, kEntry) * 1e3);
         launch_us_ = 0;
     }
 
@@ -166,7 +164,7 @@ private:
 
     cudaEvent_t events_[kEvents] = {};
     bool failed_ = false, open_ = false, launched_ = false;
-    bool done_seen_ = false, first_op_seen_ = false, copied_first_ = false, gpu_copy_pending_ = false;
+    bool done_seen_ = false, first_op_seen_ = false, copied_first_ = false;
     Clock::time_point host_entry_, host_first_launch_, host_launch_, host_post_, host_download_, host_done_, host_copy_;
     double launch_us_ = 0;
     std::vector<double> samples_[kSpans];
