@@ -268,6 +268,27 @@ def test_cuda_speculative_equals_cuda_autoregressive_copied_downloads():
     _lossless_in_a_process({"DFLASH_MAPPED_DOWNLOAD": "0"})
 
 
+def test_cuda_speculative_equals_cuda_autoregressive_rope_tail():
+    """The same lossless cases with DFLASH_QKV_ROPE_TAIL=1 (session 50: the q/k/v heads' norm, rotation and cache
+    writes in the q/k/v GEMM's epilogue, by the last column block of each head to store its part, instead of a
+    kernel after the GEMM): a head read before every block of it has stored, or a counter left non-zero, changes
+    the verified tokens."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; test_ops' gemm_qkv_rope cases run the tail under the sanitizers")
+    _lossless_in_a_process({"DFLASH_QKV_ROPE_TAIL": "1"})
+
+
+def test_cuda_drafter_with_rope_tail_matches_host():
+    """The drafter against the host backend with DFLASH_QKV_ROPE_TAIL=1 (its q/k/v GEMM's rope step in the
+    GEMM's epilogue; the lossless cases cannot see a wrong drafter), and graph replays against eager launches
+    with it: the 6 cases of test_drafter_propose_cuda_matches_host and test_graph_replays_equal_eager_launches in
+    a process of their own."""
+    if SHARED_GPU:
+        pytest.skip("numeric only; test_ops' gemm_qkv_rope cases run the tail under the sanitizers")
+    _tests_in_a_process({"DFLASH_QKV_ROPE_TAIL": "1"},
+                        "drafter_propose_cuda_matches_host or graph_replays_equal_eager_launches", 7)
+
+
 @pytest.mark.parametrize("variable,value", [("DFLASH_GEMM_FOLD_NORM", "7"), ("DFLASH_SMEM_CARVEOUT", "101"),
                                             ("DFLASH_PDL_TRIGGER", "sometimes"), ("DFLASH_GEMM_PERSIST", "4"),
                                             ("DFLASH_ATTN_CHUNK", "96")])

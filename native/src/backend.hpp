@@ -261,10 +261,7 @@ public:
         head_norm_rope(kv, rows, kv_heads, head_dim, ldkv, k_norm, eps, positions, inv_freq, attention_factor);
         kv_write(kv, v, rows, ldkv, slots, kv_width, k_cache, v_cache);
     }
-    // qkv_norm_rope_write on the call's `rows` rows, then attention of their q over keys whose last `rows` are
-    // those rows' (the caches are keys.k_cache / v_cache). The default composes the two; a backend may fold the
-    // norm, the rotation and the cache writes into its attention (the same values in the caches and out). q and kv
-    // are left normed and rotated or as they were: callers read neither again.
+    // Where a q/k/v GEMM's rows go through qkv_norm_rope_write (RopeArgs::q / kv their q and k|v heads).
     struct RopeArgs {
         void *q;
         int64_t ldq;
@@ -277,12 +274,16 @@ public:
         float attention_factor;
         const int32_t *slots;
     };
-    virtual void rope_attention(const RopeArgs &r, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                float scale, AttentionMask mask, const PagedKeys &keys, void *out) {
-        qkv_norm_rope_write(r.q, r.ldq, r.kv, r.ldkv, rows, heads, kv_heads, head_dim, r.q_norm, r.k_norm, r.eps,
-                            r.positions, r.inv_freq, r.attention_factor, r.slots, const_cast<void *>(keys.k_cache),
-                            const_cast<void *>(keys.v_cache));
-        attention(r.q, r.ldq, rows, r.positions, heads, kv_heads, head_dim, scale, mask, keys, out);
+    // gemm(x, m, ldx, w) into the fused q/k/v rows r.q (row stride r.ldq, w.rows = (heads + 2 kv_heads) *
+    // head_dim: q heads, then k heads, then v heads; r.kv = r.q + heads * head_dim, r.ldkv = r.ldq), then
+    // qkv_norm_rope_write on them into k_cache / v_cache. The default composes the two; a backend may do the
+    // second in the GEMM's epilogue (the same values in q, the heads and the caches).
+    virtual void gemm_qkv_rope(const void *x, int64_t m, int64_t ldx, WeightView w, GemmRows rows, GemmFuse fuse,
+                               const RopeArgs &r, int64_t heads, int64_t kv_heads, int64_t head_dim, void *k_cache,
+                               void *v_cache) {
+        gemm(x, m, ldx, w, r.q, r.ldq, rows, fuse);
+        qkv_norm_rope_write(r.q, r.ldq, r.kv, r.ldkv, m, heads, kv_heads, head_dim, r.q_norm, r.k_norm, r.eps,
+                            r.positions, r.inv_freq, r.attention_factor, r.slots, k_cache, v_cache);
     }
     // qkv_norm_rope_write's kv part (heads = 0) for `layers` layers of the same rows at once: layer l's
     // [k | v] start at column l * layer_ld of kv (the drafter's context K/V, every layer in one GEMM row), its

@@ -533,19 +533,23 @@ int32_t Drafter::propose(DrafterSeq &seq, int32_t last_token, int32_t position,
             const bool one_gemm = !fused_qkv_.empty();
             const int64_t ldq = one_gemm ? q_width_ + kv2 : q_width_, ldkv = one_gemm ? ldq : kv2;
             void *kv = one_gemm ? act(q_, q_width_) : kv_.get();
-            if (one_gemm) {  // fold_input_ implies one_gemm (finalize); ss_qkv is null without it
-                backend_->gemm(fold_input_ ? x_.get() : xn_.get(), width, H, layer.qkv_proj, q_.get(), ldq,
-                               GemmRows::Uniform, GemmFuse{fold_input_ ? eps : 0.f, false, ss_qkv, nullptr});
-            } else {
-                backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
-                backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
-            }
             keys.k_cache = k_cache_[l].get();
             keys.v_cache = v_cache_[l].get();
             const Backend::RopeArgs rope{q_.get(), ldq, kv, ldkv, &layer.q_norm, &layer.k_norm, eps, d_q_pos,
                                          inv_freq_.as<float>(), rope_.attention_factor, d_slots};
-            backend_->rope_attention(rope, width, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
-                                     AttentionMask{layer.causal, layer.window}, keys, attn_.get());
+            if (one_gemm) {  // fold_input_ implies one_gemm (finalize); ss_qkv is null without it
+                backend_->gemm_qkv_rope(fold_input_ ? x_.get() : xn_.get(), width, H, layer.qkv_proj,
+                                        GemmRows::Uniform, GemmFuse{fold_input_ ? eps : 0.f, false, ss_qkv, nullptr},
+                                        rope, nh, nkv, hd, k_cache_[l].get(), v_cache_[l].get());
+            } else {
+                backend_->gemm(xn_.get(), width, H, layer.q_proj, q_.get(), q_width_);
+                backend_->gemm(xn_.get(), width, H, fused_kv_.view().slice_rows(l * kv2, kv2), kv, kv2);
+                backend_->qkv_norm_rope_write(q_.get(), ldq, kv, ldkv, width, nh, nkv, hd, &layer.q_norm,
+                                              &layer.k_norm, eps, d_q_pos, inv_freq_.as<float>(),
+                                              rope_.attention_factor, d_slots, k_cache_[l].get(), v_cache_[l].get());
+            }
+            backend_->attention(q_.get(), ldq, width, d_q_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                                AttentionMask{layer.causal, layer.window}, keys, attn_.get());
             const WeightView next_norm = last ? weight("norm.weight") : layers_[l + 1].input_norm;
             if (folded_) {  // o_proj and down add into x_; gate/up norms x_ itself
                 // o_proj's sums of squares only where gate/up reads them (Backend::reads_norm_stats).

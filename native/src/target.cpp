@@ -279,15 +279,16 @@ void Target::forward(TargetSeq &seq, const int32_t *tokens, int32_t n, const Dra
         if (!folded_) backend_->rms_norm(x_.get(), n, 1, H, H, layers_[0].input_norm, eps, xn_.get(), H);
         for (int l = 0; l < p_.num_layers; ++l) {
             const Layer &layer = layers_[size_t(l)];
-            backend_->gemm(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, qkv_.get(), ldq, gemm_rows,
-                           GemmFuse{folded_ ? eps : 0.f, false, ss_qkv, nullptr});
             keys.k_cache = k_cache_[size_t(l)].get();
             keys.v_cache = v_cache_[size_t(l)].get();
             const Backend::RopeArgs rope{qkv_.get(), ldq, act(qkv_, q_width_), ldq, qk_norm ? &layer.q_norm : nullptr,
                                          qk_norm ? &layer.k_norm : nullptr, eps, d_pos, inv_freq_.as<float>(),
                                          rope_.attention_factor, d_slots};
-            backend_->rope_attention(rope, n, nh, nkv, hd, 1.f / std::sqrt(float(hd)), AttentionMask{true, 0}, keys,
-                                     attn_.get());
+            backend_->gemm_qkv_rope(folded_ ? x_.get() : xn_.get(), n, H, layer.qkv_proj, gemm_rows,
+                                    GemmFuse{folded_ ? eps : 0.f, false, ss_qkv, nullptr}, rope, nh, nkv, hd,
+                                    k_cache_[size_t(l)].get(), v_cache_[size_t(l)].get());
+            backend_->attention(qkv_.get(), ldq, n, d_pos, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
+                                AttentionMask{true, 0}, keys, attn_.get());
             const bool last = l + 1 == p_.num_layers;
             if (folded_) {
                 backend_->gemm(attn_.get(), n, q_width_, layer.o_proj, x_.get(), H, gemm_rows, to_mlp);

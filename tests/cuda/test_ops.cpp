@@ -1636,13 +1636,15 @@ void run_attention_rows_agree_case(Group &g, const AttnShape &s) {
           });
 }
 
-// Backend::rope_attention: the attention inputs' step (qkv_norm_rope_write) and the attention in one call, the
-// call's rows the last keys. cuda against the host: out and the rows' cache slots close. The rows' slots start NaN,
-// so an attention that reads them before the step wrote them fails. (Session 39's fold of the first into the
-// attention kernel, compared here with cuda's own composition bit for bit, measured slower in session 42 and is on
-// branch exp/attn-fold.)
-void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
-    g.run(cat("rope_attention: ", attn_desc(s, " ring-wrap"), norm ? "" : " no norm"), [&](Case &c) {
+// Backend::gemm_qkv_rope, then attention: a q/k/v GEMM of the rows (hidden size k), the attention inputs' step
+// (qkv_norm_rope_write) and the attention, the call's rows the last keys. cuda against the host: out and the rows'
+// cache slots close; the rope tail (CT: a cuda backend made with DFLASH_QKV_ROPE_TAIL=1, the step in the GEMM's
+// epilogue where the launch takes it) against cuda's GEMM + rope kernel: bit for bit. The rows' slots start NaN,
+// so an attention that reads them before the step wrote them fails.
+Backend *CT = nullptr;  // cuda with the rope tail, or null (--self-test)
+void run_qkv_rope_attention_case(Group &g, const AttnShape &s, bool norm, int64_t k) {
+    g.run(cat("gemm_qkv_rope + attention: ", attn_desc(s, " ring-wrap"), " K=", k, norm ? "" : " no norm"),
+          [&](Case &c) {
         PagedSetup p = make_paged(s, c.rng);
         const int64_t bs = DFLASH_KV_BLOCK_SIZE, n_heads = s.ratio * s.n_kv, hd = s.head_dim;
         const int64_t q_width = n_heads * hd, kv_width = s.n_kv * hd, ld = q_width + 2 * kv_width;
@@ -1654,7 +1656,8 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
             slots.push_back(int32_t(slot));
             for (int64_t e = 0; e < kv_width; ++e) p.k[size_t(slot * kv_width + e)] = p.v[size_t(slot * kv_width + e)] = nan;
         }
-        const std::vector<float> qkv = c.rng.bf16_normal(size_t(s.nq * ld), 1.5f);
+        const std::vector<float> x = c.rng.bf16_normal(size_t(s.nq * k), 1.f);
+        const std::vector<float> w = c.rng.bf16_normal(size_t(ld * k), 1.5f / std::sqrt(float(k)));
         std::vector<float> wq(static_cast<size_t>(hd)), wk(static_cast<size_t>(hd));
         for (auto &v : wq) v = round_bf16(1.f + c.rng.normal(0.2f));
         for (auto &v : wk) v = round_bf16(1.f + c.rng.normal(0.2f));
@@ -1666,15 +1669,20 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
         auto run = [&](Backend &be) {
             const PagedBuffers bufs(be, p);
             Weight w_q = upload_weight(be, wq, 1, hd), w_k = upload_weight(be, wk, 1, hd);
-            DeviceBuffer x = upload_act(be, qkv), f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
+            Weight w_qkv = upload_weight(be, w, ld, k);
+            if (is_cuda(be)) w_qkv = tiled_weight(be, w_qkv);  // as the cuda WeightStore keeps GEMM weights
+            DeviceBuffer xb = upload_act(be, x), f = upload_vec(be, inv_freq), sl = upload_vec(be, slots);
+            DeviceBuffer qkv = poisoned(be, size_t(s.nq * ld) * act_size(be));
             DeviceBuffer out = poisoned(be, out_count * act_size(be));
             const ShapeKeys sk(be, bufs, p, s);
             const PagedKeys &keys = sk.keys;
-            void *kv = static_cast<char *>(x.get()) + size_t(q_width) * act_size(be);
-            const Backend::RopeArgs args{x.get(), ld, kv, ld, norm ? &w_q.view : nullptr, norm ? &w_k.view : nullptr,
+            void *kv = static_cast<char *>(qkv.get()) + size_t(q_width) * act_size(be);
+            const Backend::RopeArgs args{qkv.get(), ld, kv, ld, norm ? &w_q.view : nullptr, norm ? &w_k.view : nullptr,
                                          1e-6f, bufs.qpos.as<int32_t>(), f.as<float>(), 1.f, sl.as<int32_t>()};
-            const float scale = 1.f / std::sqrt(float(hd));
-            be.rope_attention(args, s.nq, n_heads, s.n_kv, hd, scale, p.mask, keys, out.get());
+            be.gemm_qkv_rope(xb.get(), s.nq, k, w_qkv.view, GemmRows::Uniform, GemmFuse{}, args, n_heads, s.n_kv,
+                             hd, bufs.k.get(), bufs.v.get());
+            be.attention(qkv.get(), ld, s.nq, bufs.qpos.as<int32_t>(), n_heads, s.n_kv, hd, 1.f / std::sqrt(float(hd)),
+                         p.mask, keys, out.get());
             sync(be);
             return Result{download_bytes(be, out.get(), out_count * act_size(be)),
                           download_bytes(be, bufs.k.get(), cache * act_size(be)),
@@ -1685,15 +1693,21 @@ void run_rope_attention_case(Group &g, const AttnShape &s, bool norm) {
         std::vector<float> rows_c, rows_h;  // the rows' k and v slots
         for (const Result *r : {&got, &host}) {
             const Backend &be = r == &got ? *C : *H;
-            const std::vector<float> k = decode(be.act_dtype(), r->k), v = decode(be.act_dtype(), r->v);
+            const std::vector<float> kc = decode(be.act_dtype(), r->k), vc = decode(be.act_dtype(), r->v);
             std::vector<float> &dst = r == &got ? rows_c : rows_h;
             for (int32_t sl : slots)
                 for (int64_t e = 0; e < kv_width; ++e) {
-                    dst.push_back(k[size_t(sl * kv_width + e)]);
-                    dst.push_back(v[size_t(sl * kv_width + e)]);
+                    dst.push_back(kc[size_t(sl * kv_width + e)]);
+                    dst.push_back(vc[size_t(sl * kv_width + e)]);
                 }
         }
         c.close("the rows' k and v cache slots", rows_c, rows_h, kTolBf16);
+        if (CT) {
+            const Result tail = run(*CT);
+            c.equal("out, the rope tail vs the rope kernel", tail.out, got.out);
+            c.equal("the k cache, the rope tail vs the rope kernel", tail.k, got.k);
+            c.equal("the v cache, the rope tail vs the rope kernel", tail.v, got.v);
+        }
     });
 }
 
@@ -1771,16 +1785,19 @@ void test_attention() {
     run_attention_rows_agree_case(g, {3, 4, 2, 128, 1040, MASK_CAUSAL, false, 32768});
     run_attention_rows_agree_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 0});  // fresh: the rows
     if (g_opt.level >= DEFAULT) run_attention_rows_agree_case(g, {16, 4, 8, 128, 20000, MASK_CAUSAL, true, 32768});
-    // rope_attention: a verify step and a decode step (the counts on the device), a propose (pending context rows
-    // fresh in the cache before the block's own), head_dim 64 wrapped and windowed without norms, the rows' keys
-    // across two chunks without a fresh count, every key the rows' own, and rows over several query tiles.
-    run_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true);
-    run_rope_attention_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1}, true);
-    run_rope_attention_case(g, {16, 4, 8, 128, 1031, MASK_NONE, false, 0, 16, 23}, true);
-    run_rope_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, true, 0, 16, 7}, false);
-    run_rope_attention_case(g, {16, 4, 2, 128, 70, MASK_CAUSAL, false}, true);
-    run_rope_attention_case(g, {16, 4, 2, 128, 16, MASK_NONE, false, 0, 16, 16}, true);
-    run_rope_attention_case(g, {33, 4, 2, 64, 300, MASK_CAUSAL, false, 0, 64, 33}, false);
+    // gemm_qkv_rope + attention: a verify step and a decode step at Qwen3-8B shapes (the counts on the device), a
+    // propose at the 4B drafter's hidden size (pending context rows fresh in the cache before the block's own),
+    // head_dim 64 wrapped and windowed without norms, the rows' keys across two chunks without a fresh count, every
+    // key the rows' own, rows over several query tiles (no rope tail: one row tile only), and a GEMM whose column
+    // blocks hold two heads each.
+    run_qkv_rope_attention_case(g, {16, 4, 8, 128, 1040, MASK_CAUSAL, false, 32768, 16, 16}, true, 4096);
+    run_qkv_rope_attention_case(g, {1, 4, 8, 128, 1025, MASK_CAUSAL, false, 32768, 16, 1}, true, 4096);
+    run_qkv_rope_attention_case(g, {16, 4, 8, 128, 1031, MASK_NONE, false, 0, 16, 23}, true, 2560);
+    run_qkv_rope_attention_case(g, {7, 2, 2, 64, 300, MASK_CAUSAL_WINDOW, true, 0, 16, 7}, false, 512);
+    run_qkv_rope_attention_case(g, {16, 4, 2, 128, 70, MASK_CAUSAL, false}, true, 256);
+    run_qkv_rope_attention_case(g, {16, 4, 2, 128, 16, MASK_NONE, false, 0, 16, 16}, true, 1024);
+    run_qkv_rope_attention_case(g, {33, 4, 2, 64, 300, MASK_CAUSAL, false, 0, 64, 33}, false, 512);
+    run_qkv_rope_attention_case(g, {12, 8, 1, 64, 100, MASK_CAUSAL, false}, true, 64);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2308,8 +2325,20 @@ int main(int argc, char **argv) {
         if (const char *missing = cuda->missing_ops())
             std::printf("note: the cuda backend reports missing ops: %s\n", missing);
     }
+    std::shared_ptr<Backend> cuda_tail;  // the same device with the rope tail (gemm_qkv_rope's cases)
+    if (!g_opt.self_test) {
+        const char *was = std::getenv("DFLASH_QKV_ROPE_TAIL");
+        const std::string saved = was ? was : "";
+        setenv("DFLASH_QKV_ROPE_TAIL", "1", 1);
+        cuda_tail = make_cuda_backend(0, 0, false);
+        if (was)
+            setenv("DFLASH_QKV_ROPE_TAIL", saved.c_str(), 1);
+        else
+            unsetenv("DFLASH_QKV_ROPE_TAIL");
+    }
     H = host.get();
     C = cuda.get();
+    CT = cuda_tail.get();
     size_t free0 = 0, free1 = 0, total = 0;
     if (!g_opt.self_test) cudaMemGetInfo(&free0, &total);
     const auto start = std::chrono::steady_clock::now();

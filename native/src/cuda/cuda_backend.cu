@@ -59,10 +59,16 @@ public:
             (void)cudaGetLastError();
             pinned_device_ = nullptr;
         }
+        // The q/k/v GEMMs' rope tail (gemm_qkv_rope): its units' counters, zero between launches.
+        const bool rope_tail = env_opt_in("DFLASH_QKV_ROPE_TAIL");  // per backend: test_ops makes one of each
+        if (err == cudaSuccess && rope_tail) {
+            err = cudaMalloc(&rope_counters_, cuda::kRopeTailCounters * sizeof(unsigned));
+            if (err == cudaSuccess) err = cudaMemset(rope_counters_, 0, cuda::kRopeTailCounters * sizeof(unsigned));
+        }
         if (err != cudaSuccess) {
             release_all();
             (void)cudaGetLastError();
-            cuda_fail(err, "creating the cuda backend's event and pinned buffers", __FILE__, __LINE__);
+            cuda_fail(err, "creating the cuda backend's event, pinned buffers and counters", __FILE__, __LINE__);
         }
     }
     ~CudaBackend() override { release_all(); }
@@ -186,6 +192,41 @@ public:
     }
     void gemm(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows,
               GemmFuse fuse) override {
+        gemm_into(x, m, ldx, w, y, ldy, rows, fuse, nullptr);
+    }
+    // DFLASH_QKV_ROPE_TAIL=1 (read by the constructor; off by default until measured): the rope step in the q/k/v GEMM's
+    // epilogue (cuda::RopeTail) where the launch takes it, else the GEMM, then the fused rope kernel.
+    void gemm_qkv_rope(const void *x, int64_t m, int64_t ldx, WeightView w, GemmRows rows, GemmFuse fuse,
+                       const RopeArgs &r, int64_t heads, int64_t kv_heads, int64_t head_dim, void *k_cache,
+                       void *v_cache) override {
+        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
+        const bool one_row = r.kv == static_cast<char *>(r.q) + size_t(heads * head_dim) * sizeof(bf16) &&
+                             r.ldkv == r.ldq && w.rows == (heads + 2 * kv_heads) * head_dim;
+        if (!rope_counters_ || !fused || !one_row || heads > INT32_MAX || kv_heads > INT32_MAX ||
+            !cuda::qkv_norm_rope_write_fused(head_dim)) {
+            Backend::gemm_qkv_rope(x, m, ldx, w, rows, fuse, r, heads, kv_heads, head_dim, k_cache, v_cache);
+            return;
+        }
+        const cuda::RopeTail tail{static_cast<unsigned *>(rope_counters_),
+                                  r.q_norm ? weight_data(*r.q_norm, "gemm_qkv_rope") : nullptr,
+                                  r.k_norm ? weight_data(*r.k_norm, "gemm_qkv_rope") : nullptr,
+                                  r.positions, r.slots, r.inv_freq, as_bf16(k_cache), as_bf16(v_cache), r.eps,
+                                  r.attention_factor, int(heads), int(kv_heads), int(head_dim)};
+        gemm_into(x, m, ldx, w, r.q, r.ldq, rows, fuse, &tail);
+    }
+    // gemm, and with tail the rope step after it (cuda::gemm's tail; here in its own kernel where the GEMM is
+    // not cuda::gemm's).
+    void gemm_into(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows,
+                   GemmFuse fuse, const cuda::RopeTail *tail) {
+        if (tail && m == 0) return;
+        auto rope_after = [&]() {
+            if (!tail) return;
+            const int64_t q_width = int64_t(tail->heads) * tail->head_dim;
+            cuda::qkv_norm_rope_write(as_bf16(y), ldy, as_bf16(y) + q_width, ldy, m, tail->heads, tail->kv_heads,
+                                      tail->head_dim, tail->q_norm, tail->k_norm, tail->eps, tail->positions,
+                                      tail->inv_freq, tail->attention_factor, tail->slots, tail->k_cache,
+                                      tail->v_cache, stream_);
+        };
         const bf16 *wd = weight_data(w, "gemm", true);
         if (fuse.accumulate && ldy != w.rows)
             fail(DFLASH_STATUS_INTERNAL, "gemm: accumulate needs ldy == N (", ldy, " != ", w.rows, ")");
@@ -205,12 +246,15 @@ public:
                 cuda::add(as_bf16(y), as_bf16(product), m * w.rows, stream_);
             }
             if (fuse.ss_out) cuda::row_sq_parts(as_bf16(y), m, w.rows, ldy, fuse.ss_out, stream_);
+            rope_after();
             return;
         }
-        if (wide)
+        if (wide) {
             cuda::gemm_wide(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_);
-        else
-            cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_, fuse);
+            rope_after();
+        } else {
+            cuda::gemm(as_bf16(x), m, ldx, wd, w.tiled, w.rows, w.cols, as_bf16(y), ldy, stream_, fuse, tail);
+        }
     }
     // DFLASH_GEMM_FOLD_NORM=MASK / DFLASH_GEMM_FOLD_ADD=0 (read once): the folded model with its norms or its
     // residual adds as separate kernels. A folded norm (the weight in the GEMM's columns either way) is taken
@@ -438,7 +482,8 @@ private:
         if (staging_) cudaFreeHost(staging_);
         if (copied_) cudaEventDestroy(copied_);
         if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
-        pinned_ = pinned_device_ = staging_ = nullptr;
+        if (rope_counters_) cudaFree(rope_counters_);
+        pinned_ = pinned_device_ = staging_ = rope_counters_ = nullptr;
         copied_ = nullptr;
         stream_ = nullptr;
     }
@@ -454,6 +499,7 @@ private:
     void *pinned_device_ = nullptr;  // pinned_'s device address (downloads by kernel), or null (by copy)
     void *staging_ = nullptr;
     size_t staging_used_ = 0;
+    void *rope_counters_ = nullptr;  // DFLASH_QKV_ROPE_TAIL: cuda::kRopeTailCounters zeroed words (gemm_qkv_rope)
     cuda::StepTimer step_timer_;  // DFLASH_STEP_TIMING=1 only (step_timing.cuh)
     DeviceBuffer argmax_scratch_, attention_scratch_;
     DeviceBuffer norm_scratch_, product_scratch_;  // unfused GemmFuse: the normed x, the product

@@ -60,6 +60,7 @@
 #include <string>
 
 #include "ops.cuh"
+#include "rope_head.cuh"
 
 // DFLASH_GEMM_EXP (timing experiments only, 0 in every real build): bits that strip features from the
 // ring-fed kernel so tools/gemm_chain_bench shows what each costs; results are then wrong.
@@ -593,6 +594,52 @@ gemm_mma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__ 
     finish_tile<KS, E>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial);
 }
 
+// The rope tail (RopeTail; launch_gemm takes it for a Store launch of one row tile, not persistent): after its
+// stores, a block counts itself into its unit of columns (max(block columns, head_dim): a head, or the block's whole
+// heads); the unit's last block to arrive norms and rotates the unit's q and k heads in place and writes its k and
+// v heads to their cache slots, for rows m0.. of its tile, with rope.cu's arithmetic (rope_head.cuh), reading the
+// stored bf16 through L2. Stores are made visible by the classic fence-then-count (threadFenceReduction).
+template <int KS>
+__device__ __forceinline__ void rope_tail(const RopeTail &t, int64_t col_block, int64_t m0, int64_t M, bf16 *y,
+                                          int64_t ldy) {
+    constexpr int kBlockCols = WarpTile<KS>::kBlockCols;
+    const int unit_cols = max(kBlockCols, t.head_dim);
+    const int per_unit = unit_cols / kBlockCols;  // blocks per unit
+    const int64_t unit = col_block * kBlockCols / unit_cols;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned prev = per_unit == 1 ? 0u : atomicAdd(&t.counters[unit], 1u);
+        last = prev + 1 == unsigned(per_unit);
+        if (last && per_unit > 1) t.counters[unit] = 0u;  // every block of the unit has counted
+    }
+    __syncthreads();
+    if (!last) return;  // (the body's end)
+    __threadfence();
+    const int lane = threadIdx.x & 31, per_row = t.heads + 2 * t.kv_heads, heads_in_unit = unit_cols / t.head_dim;
+    const int rows = int(M - m0 < kTileM ? M - m0 : int64_t(kTileM));
+    const int64_t kv_width = int64_t(t.kv_heads) * t.head_dim;
+    for (int item = threadIdx.x >> 5; item < rows * heads_in_unit; item += kWarps) {
+        const int64_t row = m0 + item / heads_in_unit;
+        const int h = int(unit * heads_in_unit) + item % heads_in_unit;
+        if (h >= per_row) break;  // past N: a unit's later heads (never, where N % unit_cols == 0)
+        bf16 *v = y + row * ldy + int64_t(h) * t.head_dim;
+        const int64_t slot = h >= t.heads ? int64_t(t.slots[row]) : 0;
+        if (h < t.heads + t.kv_heads) {
+            const bf16 *w = h < t.heads ? t.q_norm : t.k_norm;
+            const LaneRope r = lane_rope(t.head_dim, w, float(t.positions[row]), t.inv_freq, t.attention_factor, lane);
+            bf16 *copy = h < t.heads || slot < 0
+                             ? nullptr
+                             : t.k_cache + slot * kv_width + int64_t(h - t.heads) * t.head_dim;
+            norm_rope_head<true>(v, t.head_dim, w != nullptr, t.eps, r, copy, lane);
+        } else if (slot >= 0) {
+            copy_head<true>(v, t.v_cache + slot * kv_width + int64_t(h - t.heads - t.kv_heads) * t.head_dim,
+                            t.head_dim, lane);
+        }
+    }
+}
+
 // Ring-fed: 16-byte aligned x and w, K % 8 == 0, ldx % 8 == 0. Each warp streams its chunks
 // through S ring slots (kStages; kTiledStages when TILED): the slot read at step i was filled
 // S - 1 steps earlier, and the slot freed at step i - 1 is refilled at the top of step i, so S - 1
@@ -610,7 +657,7 @@ gemm_stream_body(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__
                  int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                  float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
                  int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
-                 bool late_scales, const CUtensorMap *xmap) {
+                 bool late_scales, const RopeTail &tail, const CUtensorMap *xmap) {
     // The next kernel may launch from here (its blocks then take SM slots this grid's later waves
     // could use), or (pdl_trigger: PdlTrigger) once every block is past its (last) k loop, or once every
     // block has issued its last weight load (fill_next below).
@@ -1024,6 +1071,8 @@ gemm_stream_body(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict__
             if (late_trigger) pdl_launch_dependents();
             finish_tile<KS, E, FUSE>(wt, acc, red, M, N, y, ldy, multiplier, softcap, logits_out, partial, pair,
                                      row_scale, accumulate, ss_out);
+            if constexpr (E == Epilogue::Store)
+                if (tail.counters) rope_tail<KS>(tail, wt.col_block, wt.m0, M, y, ldy);
         }
     }
     DFLASH_GEMM_PROBE(4);
@@ -1036,11 +1085,11 @@ gemm_stream_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__restrict
                    int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                    float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
                    int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
-                   bool late_scales) {
+                   bool late_scales, const RopeTail tail) {
     static_assert(XL != XLoad::RingTma, "RingTma: gemm_stream_tma_kernel");
     gemm_stream_body<KS, E, TILED, XL, PERSIST, FUSE>(x, M, ldx, w, N, K, y, ldy, multiplier, softcap, logits_out,
                                                       partial, pair, trigger, col_blocks, norm_eps, accumulate,
-                                                      ss_in, ss_out, late_scales, nullptr);
+                                                      ss_in, ss_out, late_scales, tail, nullptr);
 }
 template <int KS, Epilogue E, int FUSE = kPlain>
 __global__ void __launch_bounds__(kWarps * 32, 2)
@@ -1048,11 +1097,11 @@ gemm_stream_tma_kernel(const bf16 *x, int64_t M, int64_t ldx, const bf16 *__rest
                        int64_t N, int64_t K, bf16 *y, int64_t ldy, float multiplier, float softcap,
                        float *logits_out, ArgmaxPartial *partial, int64_t pair, int trigger,
                        int64_t col_blocks, float norm_eps, bool accumulate, const float *ss_in, float *ss_out,
-                       bool late_scales, const __grid_constant__ CUtensorMap xmap) {
+                       bool late_scales, const RopeTail tail, const __grid_constant__ CUtensorMap xmap) {
     gemm_stream_body<KS, E, true, XLoad::RingTma, false, FUSE>(x, M, ldx, w, N, K, y, ldy, multiplier, softcap,
                                                                logits_out, partial, pair, trigger, col_blocks,
                                                                norm_eps, accumulate, ss_in, ss_out, late_scales,
-                                                               &xmap);
+                                                               tail, &xmap);
 }
 
 // Which fuse mode (FUSE) a call's GemmFuse needs: a folded norm, else the stored rows' sums, else plain.
@@ -1113,6 +1162,7 @@ struct GemmArgs {
     cudaStream_t s;
     int64_t pair;  // SwiGLU: the intermediate size (N = 2 * pair)
     GemmFuse fuse;
+    const RopeTail *tail = nullptr;  // Store: the rope tail asked for (launch_<family> returns whether it ran)
 };
 
 // Blocks of a family's gemm_stream_kernel<KS, E, TILED, XLoad::Masked, PERSIST, FUSE> resident per SM, for
@@ -1128,11 +1178,11 @@ struct StreamOccupancy {
 // The kernel families, in their TUs. launch_<family>: launch_gemm<E, FUSE> (gemv.cu picks the family:
 // the epilogue, and fuse_mode for Store and SwiGLU). setup_<family> (device_facts, once per device, before
 // any launch): the family's dynamic shared memory limits, and its occupancy where device_facts reads it.
-void launch_store(const GemmArgs &a);  // gemv_store.cu: Store, kPlain
+bool launch_store(const GemmArgs &a);  // gemv_store.cu: Store, kPlain
 StreamOccupancy setup_store();
-void launch_store_norm(const GemmArgs &a);  // gemv_store_norm.cu: Store, kNorm
+bool launch_store_norm(const GemmArgs &a);  // gemv_store_norm.cu: Store, kNorm
 StreamOccupancy setup_store_norm();
-void launch_store_stats(const GemmArgs &a);  // gemv_store_stats.cu: Store, kStats
+bool launch_store_stats(const GemmArgs &a);  // gemv_store_stats.cu: Store, kStats
 StreamOccupancy setup_store_stats();
 void launch_swiglu(const GemmArgs &a);  // gemv_swiglu.cu: SwiGLU, kPlain
 StreamOccupancy setup_swiglu();
@@ -1151,10 +1201,22 @@ namespace {
 // SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
 // fuse (Store and SwiGLU; the ring-fed kernels only, gemm_fuse_fits): a folded norm, accumulate.
 // FUSE: the kernels' fuse mode, fuse_mode(fuse) (the family's TU instantiates one).
+// How many units the rope tail has in a launch of block_cols-column blocks over N columns, or 0 where it cannot run
+// there (RopeTail, rope_tail): N the fused q/k/v row of the tail's heads, units of whole heads and column blocks.
+inline int64_t rope_tail_units(int64_t block_cols, int64_t N, const RopeTail &t) {
+    const int64_t hd = t.head_dim, unit = std::max(block_cols, hd);
+    if (hd <= 0 || hd % 2 || hd > 64 * kMaxPairsPerLane || !t.counters) return 0;
+    if (N != (int64_t(t.heads) + 2 * t.kv_heads) * hd) return 0;
+    if (unit % hd || unit % block_cols || N % unit || N / unit > kRopeTailCounters) return 0;
+    return N / unit;
+}
+
+// tail (Store): the rope tail where the launch takes it (one row tile, not persistent, the ring-fed kernel, units
+// of whole column blocks: rope_tail_units); returns whether it did.
 template <Epilogue E, int FUSE>
-void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+bool launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
             bf16 *y, int64_t ldy, float multiplier, float softcap, float *logits_out,
-            ArgmaxPartial *partial, cudaStream_t s, int64_t pair, GemmFuse fuse) {
+            ArgmaxPartial *partial, cudaStream_t s, int64_t pair, GemmFuse fuse, const RopeTail *tail) {
     static_assert(FUSE == kPlain || (FUSE == kNorm && (E == Epilogue::Store || E == Epilogue::SwiGLU)) ||
                       (FUSE == kStats && E == Epilogue::Store),
                   "norms feed GEMMs and the MLP, sums come from stores");
@@ -1184,6 +1246,11 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
     if (fuse.norm_eps > 0.f && fuse.ss_out) fail(DFLASH_STATUS_INTERNAL, "gemm: a norming GEMM that also sums");
     if (fuse_mode(fuse) != FUSE)
         fail(DFLASH_STATUS_INTERNAL, "gemm: fuse mode ", fuse_mode(fuse), " launched as ", FUSE);
+    // The tail's units: max(block columns, head_dim), a whole number of heads and of column blocks, and N a whole
+    // number of them; one counter each.
+    const bool take_tail = E == Epilogue::Store && tail && grid.x == 1 && !persist && (w_tiled || stream) &&
+                           rope_tail_units(t.block_cols(), N, *tail) > 0;
+    const RopeTail tail_arg = take_tail ? *tail : RopeTail{};
     auto go = [&](auto ks) {
         constexpr int KS = decltype(ks)::value;
         if constexpr (kSwiGLU && KS == 8) {
@@ -1213,7 +1280,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                        N, K, y, ldy, multiplier, softcap, logits_out, partial, pair,
                        pdl_trigger(M, int64_t(grid.x) * grid.y * grid.z, true),
                        int64_t(col_blocks), fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
-                       FUSE == kNorm && late_scales_at(false), xmap);
+                       FUSE == kNorm && late_scales_at(false), tail_arg, xmap);
                 return;
             }
             constexpr XLoad kF = XLoad::Full, kM = XLoad::Masked, kS = XLoad::Slice, kS2 = XLoad::Slice2,
@@ -1256,7 +1323,7 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
                    partial, pair, pdl_trigger(M, int64_t(launched.x) * launched.y * launched.z, w_tiled),
                    int64_t(col_blocks),
                    fuse.norm_eps, fuse.accumulate, fuse.ss_in, fuse.ss_out,
-                   FUSE == kNorm && late_scales_at(persist != 0));
+                   FUSE == kNorm && late_scales_at(persist != 0), tail_arg);
         } else if constexpr (!kSwiGLU && FUSE == kPlain) {
             launch(gemm_mma_kernel<KS, E>, grid, kWarps * 32, 0, s, x, M, ldx, w, N, K, vectorized, y, ldy,
                    multiplier, softcap, logits_out, partial);
@@ -1269,13 +1336,14 @@ void launch_gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_ti
         case 4: go(integral_constant<int, 4>{}); break;
         default: go(integral_constant<int, 8>{}); break;
     }
+    return take_tail;
 }
 
 // A family's launch_<family>.
 template <Epilogue E, int FUSE>
-void launch_family(const GemmArgs &a) {
-    launch_gemm<E, FUSE>(a.x, a.M, a.ldx, a.w, a.w_tiled, a.N, a.K, a.y, a.ldy, a.multiplier, a.softcap,
-                         a.logits_out, static_cast<ArgmaxPartial *>(a.partial), a.s, a.pair, a.fuse);
+bool launch_family(const GemmArgs &a) {
+    return launch_gemm<E, FUSE>(a.x, a.M, a.ldx, a.w, a.w_tiled, a.N, a.K, a.y, a.ldy, a.multiplier, a.softcap,
+                                a.logits_out, static_cast<ArgmaxPartial *>(a.partial), a.s, a.pair, a.fuse, a.tail);
 }
 
 template <int KS, Epilogue E, int FUSE = kPlain>

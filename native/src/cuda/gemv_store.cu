@@ -6,7 +6,7 @@
 namespace dflash {
 namespace cuda {
 
-void launch_store(const GemmArgs &a) { launch_family<Epilogue::Store, kPlain>(a); }
+bool launch_store(const GemmArgs &a) { return launch_family<Epilogue::Store, kPlain>(a); }
 
 StreamOccupancy setup_store() { return setup_family<Epilogue::Store, kPlain>(); }
 

@@ -6,7 +6,7 @@
 namespace dflash {
 namespace cuda {
 
-void launch_store_norm(const GemmArgs &a) { launch_family<Epilogue::Store, kNorm>(a); }
+bool launch_store_norm(const GemmArgs &a) { return launch_family<Epilogue::Store, kNorm>(a); }
 
 StreamOccupancy setup_store_norm() { return setup_family<Epilogue::Store, kNorm>(); }
 

@@ -6,7 +6,7 @@
 namespace dflash {
 namespace cuda {
 
-void launch_store_stats(const GemmArgs &a) { launch_family<Epilogue::Store, kStats>(a); }
+bool launch_store_stats(const GemmArgs &a) { return launch_family<Epilogue::Store, kStats>(a); }
 
 StreamOccupancy setup_store_stats() { return setup_family<Epilogue::Store, kStats>(); }
 

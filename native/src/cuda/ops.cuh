@@ -54,6 +54,20 @@ struct RopeLayers {
 void kv_norm_rope_write_layers(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows, int64_t kv_heads,
                                int64_t head_dim, const RopeLayers &per_layer, float eps, const int32_t *positions,
                                const float *inv_freq, float attention_factor, const int32_t *slots, cudaStream_t s);
+// qkv_norm_rope_write's arguments for a q/k/v GEMM's epilogue (gemm's tail; DFLASH_QKV_ROPE_TAIL): the last
+// column block of a unit of columns (a head, or a column block's whole heads) to store its part does the unit's
+// heads' norm, rotation and cache writes, as qkv_norm_rope_write's kernel would. counters: kRopeTailCounters
+// zeroed words (a unit's arrivals; its last block zeroes it again), used by one launch at a time.
+constexpr int kRopeTailCounters = 1024;
+struct RopeTail {
+    unsigned *counters;
+    const bf16 *q_norm, *k_norm;  // nullptr: no norm
+    const int32_t *positions, *slots;
+    const float *inv_freq;
+    bf16 *k_cache, *v_cache;
+    float eps, attention_factor;
+    int heads, kv_heads, head_dim;
+};
 // per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
 void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                     const bf16 *w, float eps, const int32_t *positions, const float *inv_freq,
@@ -70,8 +84,10 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // before the kernels ahead of it on the stream have finished; see pdl_prologue in common.cuh).
 // Uploads and device copies (not kernels) that fill it are ordered as usual.
 // y[m, N] = x[m, K] . w[N, K]^T; fuse (GemmFuse: a folded norm, accumulate) only where gemm_fuse_fits.
-void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
-          bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse = {});
+// tail (not null): y is a fused q/k/v row (N = (heads + 2 kv_heads) * head_dim) and qkv_norm_rope_write runs on
+// it after the product, in the GEMM's epilogue where rope_tail_fits (then true), else as its own kernel (false).
+bool gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+          bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse = {}, const RopeTail *tail = nullptr);
 // out[m, inter] = silu(g) * u of the GEMM with the fused [gate; up] weight w ([2 * inter, K]), in one
 // kernel (each rounded to bf16 first, as gemm + swiglu round them); false (nothing launched) where
 // no fused tiling fits (inter a multiple of 16 at least) or the ring-fed kernel cannot run (or, with

@@ -41,51 +41,8 @@ __global__ void rope_kernel(bf16 *x, int heads, int head_dim, int64_t ld, const 
 }
 
 // One warp per (row, head): lane owns rotation pairs j = lane, lane + 32, ... (j and j + half).
-// Norm (fp32 statistics, result rounded to bf16 as rms_norm stores it), then the rotation.
-constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
+// Norm (fp32 statistics, result rounded to bf16 as rms_norm stores it), then the rotation (rope_head.cuh).
 constexpr int kWarpsPerBlock = 4;
-
-// What a lane of norm_rope_head needs besides the head: its pairs' rotations and norm weights. They depend only
-// on the position, inv_freq and the norm weight, which no kernel of the step writes (the positions come with
-// the step's upload), so the kernels below compute them before pdl_wait, off the step's critical path.
-struct LaneRope {
-    float cs[kMaxPairsPerLane], sn[kMaxPairsPerLane], wa[kMaxPairsPerLane], wb[kMaxPairsPerLane];
-};
-__device__ __forceinline__ LaneRope lane_rope(int head_dim, const bf16 *w, float pos, const float *inv_freq,
-                                              float attention_factor, int lane) {
-    const int half = head_dim / 2;
-    LaneRope r;
-#pragma unroll
-    for (int i = 0; i < kMaxPairsPerLane; ++i) {
-        const int j = lane + 32 * i;
-        r.cs[i] = r.sn[i] = r.wa[i] = r.wb[i] = 0.f;
-        if (j >= half) continue;
-        sincosf(pos * inv_freq[j], &r.sn[i], &r.cs[i]);
-        r.cs[i] *= attention_factor;
-        r.sn[i] *= attention_factor;
-        if (w) r.wa[i] = to_float(w[j]), r.wb[i] = to_float(w[j + half]);
-    }
-    return r;
-}
-
-// One head of head_dim at v (this warp), in place: norm_rope_pairs (rope_head.cuh) with this lane's LaneRope.
-__device__ __forceinline__ void norm_rope_head(bf16 *v, int head_dim, bool norm, float eps, const LaneRope &r,
-                                               bf16 *copy, int lane) {
-    norm_rope_pairs<kMaxPairsPerLane>(v, head_dim, norm, eps, r.cs, r.sn, r.wa, r.wb, v, copy, lane);
-}
-
-// A v head from src to dst (this warp): every load first, then the stores (a loop of load-store pairs took one L2
-// round trip per 32 elements: dst may alias src as far as the compiler knows), so this warp is not the kernel's
-// tail.
-__device__ __forceinline__ void copy_head(const bf16 *src, bf16 *dst, int head_dim, int lane) {
-    bf16 vals[2 * kMaxPairsPerLane];
-#pragma unroll
-    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
-        if (lane + 32 * i < head_dim) vals[i] = src[lane + 32 * i];
-#pragma unroll
-    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
-        if (lane + 32 * i < head_dim) dst[lane + 32 * i] = vals[i];
-}
 
 __global__ void head_norm_rope_kernel(bf16 *x, int64_t rows, int heads, int head_dim, int64_t ld,
                                       const bf16 *w, float eps, const int32_t *positions,
