@@ -615,7 +615,7 @@ __device__ __forceinline__ void rope_tail(const RopeTail &t, int64_t col_block, 
         if (last && per_unit > 1) t.counters[unit] = 0u;  // every block of the unit has counted
     }
     __syncthreads();
-    if (!last) return;  // (the body's end)
+    if (!last) return;
     __threadfence();
     const int lane = threadIdx.x & 31, per_row = t.heads + 2 * t.kv_heads, heads_in_unit = unit_cols / t.head_dim;
     const int rows = int(M - m0 < kTileM ? M - m0 : int64_t(kTileM));
@@ -623,7 +623,7 @@ __device__ __forceinline__ void rope_tail(const RopeTail &t, int64_t col_block, 
     for (int item = threadIdx.x >> 5; item < rows * heads_in_unit; item += kWarps) {
         const int64_t row = m0 + item / heads_in_unit;
         const int h = int(unit * heads_in_unit) + item % heads_in_unit;
-        if (h >= per_row) break;  // past N: a unit's later heads (never, where N % unit_cols == 0)
+        if (h >= per_row) continue;  // past N (never: rope_tail_units asks for whole units)
         bf16 *v = y + row * ldy + int64_t(h) * t.head_dim;
         const int64_t slot = h >= t.heads ? int64_t(t.slots[row]) : 0;
         if (h < t.heads + t.kv_heads) {
