@@ -29,7 +29,8 @@
 #   --bench "ARGS"       after pytest, run tools/bench.py ARGS (issue 5's speed table; "" for its defaults),
 #                        writing $OUT/bench.json, bench.png and logs/bench.log
 #   --then "CMD"         after the bench, run CMD (bash -c, repo root, PYTHONPATH with pydflash) as stage "then"
-#   --ab                 also build the library of build/ab/src.tar.gz (tools/ab_source.sh REV; carry build/ab) and
+#   --ab                 also build the library of build/ab/src.tar.gz (tools/ab_source.sh REV; carry build/ab), or
+#                        unpack build/ab/libdflash.so.xz where ab_source.sh --prebuilt built it here, and
 #                        export AB_LIBRARY (its libdflash.so) and AB_REV for --bench / --then, e.g. --then
 #                        "python3 -P tools/bench.py --variants 'default;DFLASH_LIBRARY=\$AB_LIBRARY' --rows verify"
 #   --lean               bring back fewer files (no summary.json, bench.png, logs/bench.log), leaving
@@ -338,7 +339,12 @@ if [[ $STAGE_STATUS == ok && -x $TEST_OPS ]]; then BUILD_OK=1; else fail_stage; 
 # this tree's (Release, sm_90), next to it; bench.py --variants then loads it through DFLASH_LIBRARY.
 if (( AB )); then
     AB_SRC=$WORK/ab_src AB_BUILD=$WORK/ab_build
-    if [[ -f build/ab/src.tar.gz ]]; then
+    if [[ -f build/ab/libdflash.so.xz ]]; then  # ab_source.sh --prebuilt; Python's lzma, where the image has no xz
+        run_stage ab_build "$LOGS/ab_build.log" bash -c "rm -rf '$AB_BUILD' && mkdir -p '$AB_BUILD' && \
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], \"wb\"))' \
+                build/ab/libdflash.so.xz '$AB_BUILD/libdflash.so'"
+        STAGE_NOTE="prebuilt=1"
+    elif [[ -f build/ab/src.tar.gz ]]; then
         run_stage ab_build "$LOGS/ab_build.log" bash -c "rm -rf '$AB_SRC' && mkdir -p '$AB_SRC' && \
             tar xzf build/ab/src.tar.gz -C '$AB_SRC' && cmake -S '$AB_SRC' -B '$AB_BUILD' -DDFLASH_CUDA=ON \
             -DDFLASH_CUDA_ARCHITECTURES=90-real -DCMAKE_BUILD_TYPE=Release && \
