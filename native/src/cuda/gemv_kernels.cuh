@@ -1195,12 +1195,6 @@ void setup_argmax();
 
 namespace {
 
-// w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
-// vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
-// tiled weights have a tiling of their own (tiling(..., true)).
-// SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
-// fuse (Store and SwiGLU; the ring-fed kernels only, gemm_fuse_fits): a folded norm, accumulate.
-// FUSE: the kernels' fuse mode, fuse_mode(fuse) (the family's TU instantiates one).
 // How many units the rope tail has in a launch of block_cols-column blocks over N columns, or 0 where it cannot run
 // there (RopeTail, rope_tail): N the fused q/k/v row of the tail's heads, units of whole heads and column blocks.
 inline int64_t rope_tail_units(int64_t block_cols, int64_t N, const RopeTail &t) {
@@ -1211,6 +1205,12 @@ inline int64_t rope_tail_units(int64_t block_cols, int64_t N, const RopeTail &t)
     return N / unit;
 }
 
+// w_tiled: the tiled kernel (any x); else the ring-fed kernel where x and w are 16-byte
+// vectorizable, the register-fed one otherwise. The row-major two run the same sums (one tiling);
+// tiled weights have a tiling of their own (tiling(..., true)).
+// SwiGLU: N = 2 * pair, the fused tiling (swiglu_ks, checked by the caller), ring-fed kernels only.
+// fuse (Store and SwiGLU; the ring-fed kernels only, gemm_fuse_fits): a folded norm, accumulate.
+// FUSE: the kernels' fuse mode, fuse_mode(fuse) (the family's TU instantiates one).
 // tail (Store): the rope tail where the launch takes it (one row tile, not persistent, the ring-fed kernel, units
 // of whole column blocks: rope_tail_units); returns whether it did.
 template <Epilogue E, int FUSE>
