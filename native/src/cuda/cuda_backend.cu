@@ -194,16 +194,20 @@ public:
               GemmFuse fuse) override {
         gemm_into(x, m, ldx, w, y, ldy, rows, fuse, nullptr);
     }
-    // DFLASH_QKV_ROPE_TAIL=1 (read by the constructor; off by default until measured): the rope step in the q/k/v GEMM's
-    // epilogue (cuda::RopeTail) where the launch takes it, else the GEMM, then the fused rope kernel.
+    // DFLASH_FUSED_QKV_ROPE=0 (read once) keeps the rope step as head_norm_rope + kv_write; so does a head_dim the
+    // fused kernel (and the rope tail) does not take.
+    static bool fused_qkv_rope(int64_t head_dim) {
+        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
+        return fused && cuda::qkv_norm_rope_write_fused(head_dim);
+    }
+    // DFLASH_QKV_ROPE_TAIL=1 (read by the constructor; off by default until measured): the rope step in the q/k/v
+    // GEMM's epilogue (cuda::RopeTail) where the launch takes it, else the GEMM, then the fused rope kernel.
     void gemm_qkv_rope(const void *x, int64_t m, int64_t ldx, WeightView w, GemmRows rows, GemmFuse fuse,
                        const RopeArgs &r, int64_t heads, int64_t kv_heads, int64_t head_dim, void *k_cache,
                        void *v_cache) override {
-        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
         const bool one_row = r.kv == static_cast<char *>(r.q) + size_t(heads * head_dim) * sizeof(bf16) &&
                              r.ldkv == r.ldq && w.rows == (heads + 2 * kv_heads) * head_dim;
-        if (!rope_counters_ || !fused || !one_row || heads > INT32_MAX || kv_heads > INT32_MAX ||
-            !cuda::qkv_norm_rope_write_fused(head_dim)) {
+        if (!rope_counters_ || !fused_qkv_rope(head_dim) || !one_row || heads > INT32_MAX || kv_heads > INT32_MAX) {
             Backend::gemm_qkv_rope(x, m, ldx, w, rows, fuse, r, heads, kv_heads, head_dim, k_cache, v_cache);
             return;
         }
@@ -218,14 +222,8 @@ public:
     // not cuda::gemm's).
     void gemm_into(const void *x, int64_t m, int64_t ldx, WeightView w, void *y, int64_t ldy, GemmRows rows,
                    GemmFuse fuse, const cuda::RopeTail *tail) {
-        if (tail && m == 0) return;
         auto rope_after = [&]() {
-            if (!tail) return;
-            const int64_t q_width = int64_t(tail->heads) * tail->head_dim;
-            cuda::qkv_norm_rope_write(as_bf16(y), ldy, as_bf16(y) + q_width, ldy, m, tail->heads, tail->kv_heads,
-                                      tail->head_dim, tail->q_norm, tail->k_norm, tail->eps, tail->positions,
-                                      tail->inv_freq, tail->attention_factor, tail->slots, tail->k_cache,
-                                      tail->v_cache, stream_);
+            if (tail) cuda::qkv_norm_rope_write(as_bf16(y), ldy, m, *tail, stream_);
         };
         const bf16 *wd = weight_data(w, "gemm", true);
         if (fuse.accumulate && ldy != w.rows)
@@ -373,8 +371,7 @@ public:
                              const WeightView *k_norm, float eps, const int32_t *positions,
                              const float *inv_freq, float attention_factor, const int32_t *slots,
                              void *k_cache, void *v_cache) override {
-        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
-        if (!fused || !cuda::qkv_norm_rope_write_fused(head_dim)) {
+        if (!fused_qkv_rope(head_dim)) {
             Backend::qkv_norm_rope_write(q, ldq, kv, ldkv, rows, heads, kv_heads, head_dim, q_norm, k_norm,
                                          eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
             return;
@@ -389,8 +386,7 @@ public:
                                    int64_t kv_heads, int64_t head_dim, const WeightView *const *k_norms, float eps,
                                    const int32_t *positions, const float *inv_freq, float attention_factor,
                                    const int32_t *slots, void *const *k_caches, void *const *v_caches) override {
-        static const bool fused = env_switch_on("DFLASH_FUSED_QKV_ROPE");
-        if (!fused || !cuda::qkv_norm_rope_write_fused(head_dim)) {
+        if (!fused_qkv_rope(head_dim)) {
             Backend::kv_norm_rope_write_layers(kv, ldkv, layer_ld, layers, rows, kv_heads, head_dim, k_norms, eps,
                                                positions, inv_freq, attention_factor, slots, k_caches, v_caches);
             return;

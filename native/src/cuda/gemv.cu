@@ -254,9 +254,9 @@ void tile_weight(const bf16 *src, int64_t N, int64_t K, bf16 *dst, cudaStream_t 
     launch(tile_weight_kernel, blocks, 256, 0, s, src, N, K, (K + kChunk - 1) / kChunk, total, dst);
 }
 
-bool gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
           bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse, const RopeTail *tail) {
-    if (M == 0 || N == 0) return tail != nullptr;
+    if (M == 0 || N == 0) return;
     if (fuse.any() && !gemm_fuse_fits(x, ldx, w, w_tiled, K))
         fail(DFLASH_STATUS_INTERNAL, "gemm: fused norm / accumulate where gemm_fuse_fits says no");
     const GemmArgs a{x, M, ldx, w, w_tiled, N, K, y, ldy, 1.f, 0.f, nullptr, nullptr, s, 0, fuse, tail};
@@ -266,13 +266,7 @@ bool gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, in
         case kStats: tail_done = launch_store_stats(a); break;
         default: tail_done = launch_store(a); break;
     }
-    if (tail && !tail_done) {  // its own kernel, as Backend::qkv_norm_rope_write's cuda form
-        const int64_t q_width = int64_t(tail->heads) * tail->head_dim;
-        qkv_norm_rope_write(y, ldy, y + q_width, ldy, M, tail->heads, tail->kv_heads, tail->head_dim, tail->q_norm,
-                            tail->k_norm, tail->eps, tail->positions, tail->inv_freq, tail->attention_factor,
-                            tail->slots, tail->k_cache, tail->v_cache, s);
-    }
-    return tail_done;
+    if (tail && !tail_done) qkv_norm_rope_write(y, ldy, M, *tail, s);  // the launch did not take it
 }
 
 bool gemm_swiglu(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t inter, int64_t K,

@@ -68,6 +68,8 @@ struct RopeTail {
     float eps, attention_factor;
     int heads, kv_heads, head_dim;
 };
+// The tail's work as its own kernel: qkv_norm_rope_write on y's rows (q at y, k and v after the q heads, stride ldy).
+void qkv_norm_rope_write(bf16 *y, int64_t ldy, int64_t rows, const RopeTail &t, cudaStream_t s);
 // per-head RMSNorm (w may be nullptr: none) then RoPE, in place, one warp per head
 void head_norm_rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
                     const bf16 *w, float eps, const int32_t *positions, const float *inv_freq,
@@ -85,8 +87,8 @@ void rope(bf16 *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t ld,
 // Uploads and device copies (not kernels) that fill it are ordered as usual.
 // y[m, N] = x[m, K] . w[N, K]^T; fuse (GemmFuse: a folded norm, accumulate) only where gemm_fuse_fits.
 // tail (not null): y is a fused q/k/v row (N = (heads + 2 kv_heads) * head_dim) and qkv_norm_rope_write runs on
-// it after the product, in the GEMM's epilogue where rope_tail_fits (then true), else as its own kernel (false).
-bool gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
+// it after the product, in the GEMM's epilogue where the launch takes it (rope_tail_units), else as its own kernel.
+void gemm(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, bool w_tiled, int64_t N, int64_t K,
           bf16 *y, int64_t ldy, cudaStream_t s, GemmFuse fuse = {}, const RopeTail *tail = nullptr);
 // out[m, inter] = silu(g) * u of the GEMM with the fused [gate; up] weight w ([2 * inter, K]), in one
 // kernel (each rounded to bf16 first, as gemm + swiglu round them); false (nothing launched) where

@@ -161,6 +161,12 @@ void qkv_norm_rope_write(bf16 *q, int64_t ldq, bf16 *kv, int64_t ldkv, int64_t r
            k_norm, eps, positions, inv_freq, attention_factor, slots, k_cache, v_cache);
 }
 
+void qkv_norm_rope_write(bf16 *y, int64_t ldy, int64_t rows, const RopeTail &t, cudaStream_t s) {
+    qkv_norm_rope_write(y, ldy, y + int64_t(t.heads) * t.head_dim, ldy, rows, t.heads, t.kv_heads, t.head_dim,
+                        t.q_norm, t.k_norm, t.eps, t.positions, t.inv_freq, t.attention_factor, t.slots, t.k_cache,
+                        t.v_cache, s);
+}
+
 void kv_norm_rope_write_layers(bf16 *kv, int64_t ldkv, int64_t layer_ld, int layers, int64_t rows, int64_t kv_heads,
                                int64_t head_dim, const RopeLayers &per_layer, float eps, const int32_t *positions,
                                const float *inv_freq, float attention_factor, const int32_t *slots, cudaStream_t s) {

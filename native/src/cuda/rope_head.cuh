@@ -10,16 +10,14 @@ namespace cuda {
 
 constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 
-// One bf16 of src[j]: CG (the rope tail, reading what other blocks of its grid stored) loads through L2 only, never
-// a line this SM's L1 may hold from before.
+// src[j]: CG (the rope tail, reading what other blocks of its grid stored) loads through L2 only, never a line
+// this SM's L1 may hold from before.
 template <bool CG>
-__device__ __forceinline__ float head_load(const bf16 *src, int j) {
-    if constexpr (CG) {
-        const unsigned short u = __ldcg(reinterpret_cast<const unsigned short *>(src) + j);
-        return to_float(__ushort_as_bfloat16(u));
-    } else {
-        return to_float(src[j]);
-    }
+__device__ __forceinline__ bf16 head_load(const bf16 *src, int j) {
+    if constexpr (CG)
+        return __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short *>(src) + j));
+    else
+        return src[j];
 }
 
 // norm_rope_pairs' loads: lane's pairs j = lane + 32 i (i < P; zeros past head_dim / 2) into a and b. Returns
@@ -32,8 +30,8 @@ __device__ __forceinline__ float head_pairs_load(const bf16 *src, int head_dim, 
 #pragma unroll
     for (int i = 0; i < P; ++i) {
         const int j = lane + 32 * i;
-        a[i] = j < half ? head_load<CG>(src, j) : 0.f;
-        b[i] = j < half ? head_load<CG>(src, j + half) : 0.f;
+        a[i] = j < half ? to_float(head_load<CG>(src, j)) : 0.f;
+        b[i] = j < half ? to_float(head_load<CG>(src, j + half)) : 0.f;
         ss += a[i] * a[i] + b[i] * b[i];
     }
     return ss;
@@ -122,14 +120,8 @@ template <bool CG = false>
 __device__ __forceinline__ void copy_head(const bf16 *src, bf16 *dst, int head_dim, int lane) {
     bf16 vals[2 * kMaxPairsPerLane];
 #pragma unroll
-    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i) {
-        const int j = lane + 32 * i;
-        if (j >= head_dim) continue;
-        if constexpr (CG)
-            vals[i] = __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short *>(src) + j));
-        else
-            vals[i] = src[j];
-    }
+    for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
+        if (lane + 32 * i < head_dim) vals[i] = head_load<CG>(src, lane + 32 * i);
 #pragma unroll
     for (int i = 0; i < 2 * kMaxPairsPerLane; ++i)
         if (lane + 32 * i < head_dim) dst[lane + 32 * i] = vals[i];
